@@ -1,0 +1,33 @@
+"""staticrt: LLM decoding as a fixed-shape, static-graph program.
+
+The public names are resolved lazily so that `import staticrt` costs nothing and pulls in torch
+only when a torch-side name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load_model": "staticrt.checkpoint",
+    "ModelConfig": "staticrt.config",
+    "PRESETS": "staticrt.config",
+    "Generator": "staticrt.generate",
+    "SamplingParams": "staticrt.generate",
+    "GenerationError": "staticrt.generate",
+    "CacheSpec": "staticrt.caches",
+    "CacheError": "staticrt.caches",
+    "StaticCache": "staticrt.caches",
+    "build_cache": "staticrt.caches",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'staticrt' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

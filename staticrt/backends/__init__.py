@@ -1,0 +1,22 @@
+"""Backends by name. Each is imported only when asked for, so a deploy path that needs no
+torch never imports it."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..generate import GenerationError, StepBackend
+
+BACKENDS = {
+    "eager": ("staticrt.backends.eager", "EagerBackend"),
+    "compiled": ("staticrt.backends.compiled", "CompiledBackend"),
+}
+
+
+def create_backend(name: str, model: Any, **options: Any) -> StepBackend:
+    try:
+        module, cls = BACKENDS[name]
+    except KeyError:
+        raise GenerationError(f"backend {name!r} is unknown; choose one of {', '.join(BACKENDS)}") from None
+    return getattr(importlib.import_module(module), cls)(model, **options)

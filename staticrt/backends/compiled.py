@@ -1,0 +1,40 @@
+"""Compiled backend: `torch.compile(fullgraph=True, dynamic=False)` of the whole step.
+
+One graph per (prefill bucket, greedy|sample) and one for decode. Dynamo keys its cache on code
+objects, so each graph gets its own copy of `run_step`'s code: a new bucket is then a first
+compile rather than a recompile, dynamo's recompile limit never silently drops a bucket to
+eager, and `error_on_recompile` can prove that a generation never recompiles.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .eager import EagerBackend, StepFn, run_step
+
+
+def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class CompiledBackend(EagerBackend):
+    name = "compiled"
+    # Freezing lets inductor treat the weights as constants and pre-pack them for the CPU GEMM
+    # kernels; decode on CPU is weight-streaming bound and the packed layout is what reaches it.
+    options = {"freezing": True}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._graphs: dict[tuple[int, bool], StepFn] = {}
+
+    def step_function(self, steps: int, do_sample: bool) -> StepFn:
+        key = (steps, do_sample)
+        if key not in self._graphs:
+            tag = f"{'decode' if steps == 1 else f'prefill{steps}'}_{'sample' if do_sample else 'greedy'}"
+            self._graphs[key] = torch.compile(
+                _own_code_copy(run_step, tag), fullgraph=True, dynamic=False, options=self.options
+            )
+        return self._graphs[key]

@@ -1,0 +1,125 @@
+"""Hugging Face checkpoint folder -> `Decoder` (safetensors only) and its tokenizer.
+
+Also builds the built-in presets: seeded random weights with no files, for the demo and tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import PRESETS, ModelConfig, load_hf_config
+from .model import Decoder, init_random
+from .rope import inverse_frequencies
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded, naming the file or tensor and the fix."""
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) {missing} that are not in the folder")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{folder}: holds pickle weights {pickles}; staticrt loads safetensors only (pickles can run "
+            "code). Convert once with transformers: python -c \"from transformers import "
+            f"AutoModelForCausalLM as M; M.from_pretrained('{folder}').save_pretrained('{folder}')\""
+        )
+    raise CheckpointError(
+        f"{folder}: no model.safetensors or model.safetensors.index.json; a checkpoint folder needs "
+        "its weights in safetensors"
+    )
+
+
+def _read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                name = key.removeprefix("model.")
+                state[name] = f.get_tensor(key).to(dtype)
+    return state
+
+
+def load_state_dict_checked(model: Decoder, state: dict[str, torch.Tensor], source: str) -> None:
+    """Assign `state` to `model`, refusing missing, unexpected or mis-shaped tensors by name."""
+    expected = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # transformers may save the tied copy; it is the embedding
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: weights do not match the {model.config.family} architecture in config.json: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
+                f"{tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, assign=True)
+
+
+def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> Decoder:
+    """A preset name (`tiny-llama`, ...) or a Hugging Face checkpoint folder -> `Decoder` in
+    inference mode. The folder's `tokenizer.json`, when present, is loaded as `model.tokenizer`."""
+    dtype = resolve_dtype(dtype)
+    name = str(path_or_preset)
+    if name in PRESETS:
+        model = init_random(Decoder(PRESETS[name]), seed=0).to(dtype=dtype, device=device)
+        model.tokenizer = None
+        model.source = name
+        return model.eval().requires_grad_(False)
+    folder = Path(path_or_preset)
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder"
+        )
+    config: ModelConfig = load_hf_config(folder)
+    files = _weight_files(folder)
+    with torch.device("meta"):
+        model = Decoder(config)
+    load_state_dict_checked(model, _read_state_dict(files, dtype), str(folder))
+    # The RoPE table is not in the checkpoint; the meta placeholder is replaced by the real one.
+    model.inv_freq = inverse_frequencies(config.rope, config.head_dim)
+    model = model.to(device)
+    tokenizer_file = folder / "tokenizer.json"
+    model.tokenizer = _load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    model.source = str(folder)
+    return model.eval().requires_grad_(False)
+
+
+def _load_tokenizer(path: Path):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))

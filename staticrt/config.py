@@ -1,0 +1,252 @@
+"""Model and cache configuration: one dataclass for every supported family.
+
+A `ModelConfig` is read from a Hugging Face `config.json` or taken from the table of built-in
+presets (gpt-fast style), so the model code never looks at a raw config dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
+LAYER_KINDS = ("full_attention", "sliding_attention")
+
+
+class ConfigError(ValueError):
+    """A config that staticrt cannot run, with the field at fault and the way out."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters after normalising the old (`rope_scaling`) and new
+    (`rope_parameters`) spellings of transformers' config.json."""
+
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v/o biases (Llama's `attention_bias`)
+    qkv_bias: bool = False  # q/k/v biases only (Qwen2)
+    mlp_bias: bool = False
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh
+    # Gemma2 specifics; neutral values for the other families.
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + w): 1.0 for Gemma2
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False  # post-attention and pre/post-feedforward norms
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(
+                f"model family {self.family!r} is not supported; staticrt runs {', '.join(FAMILIES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        bad = sorted(set(self.layer_types) - set(LAYER_KINDS))
+        if bad:
+            raise ConfigError(f"layer_types holds {bad}; staticrt knows {list(LAYER_KINDS)}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        data["rope"] = RopeConfig(**data.get("rope", {}))
+        data["layer_types"] = tuple(data.get("layer_types", ()))
+        data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        return cls(**data)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ConfigError(
+            f"rope type {kind!r} is not supported; staticrt implements default, linear and llama3"
+        )
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _layer_types_from_hf(family: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Which layers attend through a sliding window, as transformers decides it."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    window = cfg.get("sliding_window")
+    if family == "gemma2":
+        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))
+    if family == "qwen2":
+        if not cfg.get("use_sliding_window") or not window:
+            return ("full_attention",) * num_layers
+        first = int(cfg.get("max_window_layers", num_layers))
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+    if family == "mistral" and window:
+        return ("sliding_attention",) * num_layers
+    return ("full_attention",) * num_layers
+
+
+def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Translate a transformers config.json dict; unknown architectures are refused by name."""
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"{source}: model_type {family!r} is not supported; staticrt runs {', '.join(FAMILIES)} "
+            "checkpoints"
+        )
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
+        vocab = int(cfg["vocab_size"])
+        intermediate = int(cfg["intermediate_size"])
+    except KeyError as missing:
+        raise ConfigError(f"{source}: required field {missing} is missing") from None
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    is_gemma = family == "gemma2"
+    layer_types = _layer_types_from_hf(family, cfg, layers)
+    uses_window = "sliding_attention" in layer_types
+    return ModelConfig(
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qkv_bias=family == "qwen2",
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+        norm_offset=1.0 if is_gemma else 0.0,
+        scale_embeddings=is_gemma,
+        sandwich_norms=is_gemma,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if is_gemma else None,
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if is_gemma else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if is_gemma else None,
+        sliding_window=int(cfg["sliding_window"]) if uses_window else None,
+        layer_types=layer_types,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def load_hf_config(folder: Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{folder}: no config.json; a Hugging Face checkpoint folder needs one")
+    return config_from_hf(json.loads(path.read_text()), source=str(path))
+
+
+def _tiny(family: str, **overrides: Any) -> ModelConfig:
+    base: dict[str, Any] = dict(
+        family=family,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_ids=(),
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+# Built-in presets: seeded random weights, no files. The tiny ones serve the demo and tests;
+# `bench-llama` is the Llama shape the foundation benchmark is defined on.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-llama": _tiny("llama"),
+    "tiny-mistral": _tiny("mistral", sliding_window=64, layer_types=("sliding_attention",) * 2),
+    "tiny-qwen2": _tiny("qwen2", qkv_bias=True),
+    "tiny-gemma2": _tiny(
+        "gemma2",
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        norm_offset=1.0,
+        scale_embeddings=True,
+        sandwich_norms=True,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        sliding_window=64,
+        layer_types=("sliding_attention", "full_attention"),
+    ),
+    "bench-llama": ModelConfig(
+        family="llama",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0),
+    ),
+}

@@ -1,0 +1,193 @@
+"""The decoder: one code path for the Llama, Mistral, Qwen2 and Gemma2 families and every backend.
+
+Module names follow transformers' checkpoints (`embed_tokens`, `layers.N.self_attn.q_proj`, ...)
+so a safetensors file loads by name. What a step needs (positions, RoPE tables, masks, write
+indices) is computed once per step into `StepMetadata` and handed to every layer, as in
+mistral-inference; layers never rebuild it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .caches.base import KVCache
+from .config import ModelConfig
+from .rope import apply_rope, inverse_frequencies, rope_tables
+
+
+@dataclass
+class StepMetadata:
+    write_index: torch.Tensor  # [B] int64: tokens each row already holds in the cache
+    cos: torch.Tensor  # [B, 1, T, D]
+    sin: torch.Tensor  # [B, 1, T, D]
+    masks: dict[str, torch.Tensor]  # layer kind -> bool [B, 1, T, L_kind]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32. `offset` 0 is Llama's `w * x`; 1 is Gemma2's `(1 + w) * x`, which
+    also multiplies before casting back (the two families round differently)."""
+
+    def __init__(self, dim: int, eps: float, offset: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, bias = config, config.mlp_bias
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=bias)
+        self.tanh_gelu = c.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        qkv_bias = c.attention_bias or c.qkv_bias
+        self.layer_idx = layer_idx
+        self.kind = c.layer_types[layer_idx]
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.attention_scale
+        self.softcap = c.attn_logit_softcapping
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
+        batch, steps, _ = x.shape  # x [B, T, C]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        group = heads // kv_heads
+        q = self.q_proj(x).view(batch, steps, heads, dim).transpose(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(batch, steps, kv_heads, dim).transpose(1, 2)
+        q = apply_rope(q, meta.cos, meta.sin)
+        k = apply_rope(k, meta.cos, meta.sin)
+        keys, values = cache.update(k, v, self.layer_idx, meta.write_index)  # [B, Hkv, L, D]
+        length = keys.shape[2]
+        # GQA without repeating K/V: the G query heads that share a KV head are stacked along the
+        # query axis, so one batched matmul per KV head reads the cache once.
+        q = q.reshape(batch, kv_heads, group * steps, dim)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, Hkv, G*T, L]
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        mask = meta.masks[self.kind][:, :, None]  # [B, 1, 1, T, L]
+        scores = scores.view(batch, kv_heads, group, steps, length).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * steps, length)
+        out = torch.matmul(probs, values)  # [B, Hkv, G*T, D]
+        out = out.view(batch, heads, steps, dim).transpose(1, 2).reshape(batch, steps, heads * dim)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        eps, offset, hidden = config.rms_norm_eps, config.norm_offset, config.hidden_size
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        # Llama names its pre-MLP norm `post_attention_layernorm`; Gemma2 uses that name for a
+        # norm on the attention output and adds pre/post-feedforward norms ("sandwich").
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), meta, cache)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
+        self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
+
+    def step_metadata(
+        self, cache: KVCache, write_index: torch.Tensor, num_new: torch.Tensor, steps: int, dtype: torch.dtype
+    ) -> StepMetadata:
+        positions = write_index[:, None] + torch.arange(steps, device=write_index.device)  # [B, T]
+        cos, sin = rope_tables(positions, self.inv_freq, dtype)
+        cache.begin_step(write_index, num_new)
+        masks = {kind: cache.attention_mask(kind, positions) for kind in set(self.config.layer_types)}
+        return StepMetadata(write_index=write_index, cos=cos, sin=sin, masks=masks)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        write_index: torch.Tensor,
+        cache: KVCache,
+        num_new: torch.Tensor | None = None,
+        last_only: bool = True,
+    ) -> torch.Tensor:
+        """Run `input_ids [B, T]` at positions `write_index[b] + t`, writing the cache in place.
+
+        `num_new [B]` counts each row's real tokens (the rest is right padding; default T). Returns
+        logits `[B, V]` at each row's last real token, or `[B, T, V]` with `last_only=False`.
+        """
+        batch, steps = input_ids.shape
+        if num_new is None:
+            num_new = torch.full((batch,), steps, dtype=torch.int64, device=input_ids.device)
+        x = self.embed_tokens(input_ids)  # [B, T, C]
+        if self.config.scale_embeddings:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        meta = self.step_metadata(cache, write_index, num_new, steps, x.dtype)
+        for layer in self.layers:
+            x = layer(x, meta, cache)
+        if last_only:
+            last = (num_new - 1).clamp(min=0)
+            x = x[torch.arange(batch, device=x.device), last][:, None]  # [B, 1, C]
+        x = self.norm(x)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(x, head)
+        if self.config.final_logit_softcapping is not None:
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits[:, 0] if last_only else logits
+
+
+def init_random(model: Decoder, seed: int) -> Decoder:
+    """Seeded random weights for presets: small normal matrices and norms near their identity,
+    so logits are spread enough that greedy tokens differ step to step."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.copy_(noise * 0.1 + (0.0 if model.config.norm_offset else 1.0))
+            else:  # a small embedding keeps tied heads from just echoing the input token
+                param.copy_(noise * (0.02 if name == "embed_tokens.weight" else 0.15))
+    return model

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_models import save_hf_model  # noqa: E402
+
+FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _deterministic_threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """family -> (checkpoint folder written by save_pretrained, the transformers model)."""
+    pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
+    root = tmp_path_factory.mktemp("hf")
+    return {fam: (root / fam, save_hf_model(fam, root / fam)) for fam in FAMILIES + ("llama-linear-tied",)}
