@@ -1,0 +1,54 @@
+"""Token choice and the host loop: exact picks, stop tokens, streaming, padding rows."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import staticrt
+from staticrt.sampling import greedy, sample
+
+
+def pick(probs, uniform, top_k=0, top_p=1.0, temperature=1.0):
+    logits = torch.tensor([[math.log(p) for p in probs]])
+    return sample(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
+                  torch.tensor([uniform])).item()
+
+
+def test_inverse_cdf_pick_is_exact():
+    probs = [0.2, 0.5, 0.3]  # sorted: token 1 (0.5), token 2 (0.3), token 0 (0.2); cdf .5 .8 1.0
+    assert pick(probs, 0.49) == 1
+    assert pick(probs, 0.51) == 2
+    assert pick(probs, 0.81) == 0
+    assert pick(probs, 0.99, top_k=2) == 2  # token 0 is cut; renormalised cdf .625 1.0
+    assert pick(probs, 0.99, top_p=0.5) == 1  # the nucleus is token 1 alone
+    assert pick(probs, 0.7, top_p=0.6) == 2  # nucleus {1, 2}: cdf .625 1.0
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    chosen = sample(logits, torch.ones(4), torch.ones(4, dtype=torch.int64), torch.ones(4), torch.rand(4))
+    assert torch.equal(chosen, greedy(logits))
+
+
+def test_stop_tokens_and_streaming():
+    gen = staticrt.Generator(staticrt.load_model("tiny-qwen2"), max_batch_size=3, max_cache_len=64)
+    prompts = [[11, 12, 13], [40, 41], [7]]
+    full = gen.generate(prompts, max_new_tokens=12)
+    stop = full[0][4]
+    streamed: list[tuple[int, int]] = []
+    cut = gen.generate(prompts, max_new_tokens=12, stop_token_ids=[stop], stream=lambda r, t: streamed.append((r, t)))
+    for row, tokens in zip(full, cut):
+        expected = row[: row.index(stop) + 1] if stop in row else row
+        assert tokens == expected
+    assert [t for r, t in streamed if r == 0] == cut[0]
+    assert sorted(r for r, _ in streamed) == sorted(r for r, toks in enumerate(cut) for _ in toks)
+    assert gen.last_stats.bucket == 16 and len(gen.last_stats.decode_s) == max(map(len, cut)) - 1
+
+
+def test_a_short_batch_in_a_large_generator_matches_batch_one():
+    model = staticrt.load_model("tiny-gemma2")
+    one = staticrt.Generator(model, max_batch_size=1, max_cache_len=48).generate([[5, 6, 7]], max_new_tokens=20)
+    four = staticrt.Generator(model, max_batch_size=4, max_cache_len=48).generate([[5, 6, 7]], max_new_tokens=20)
+    assert one == four
