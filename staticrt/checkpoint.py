@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from .config import PRESETS, ModelConfig, load_hf_config
-from .model import Decoder, init_random
+from .model import Decoder, init_random, use_column_major_weights
 from .rope import inverse_frequencies
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -99,7 +99,7 @@ def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.floa
         model = init_random(Decoder(PRESETS[name]), seed=0).to(dtype=dtype, device=device)
         model.tokenizer = None
         model.source = name
-        return model.eval().requires_grad_(False)
+        return _ready(model)
     folder = Path(path_or_preset)
     if not folder.is_dir():
         raise CheckpointError(
@@ -116,7 +116,15 @@ def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.floa
     tokenizer_file = folder / "tokenizer.json"
     model.tokenizer = _load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
     model.source = str(folder)
-    return model.eval().requires_grad_(False)
+    return _ready(model)
+
+
+def _ready(model: Decoder) -> Decoder:
+    """Inference mode, and on CPU the weight layout that decodes fastest there."""
+    model = model.eval().requires_grad_(False)
+    if next(model.parameters()).device.type == "cpu":
+        use_column_major_weights(model)
+    return model
 
 
 def _load_tokenizer(path: Path):  # -> tokenizers.Tokenizer

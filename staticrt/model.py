@@ -179,6 +179,22 @@ class Decoder(nn.Module):
         return logits[:, 0] if last_only else logits
 
 
+def use_column_major_weights(model: Decoder) -> Decoder:
+    """Store every projection (and the output head) column-major, in place.
+
+    Decode at small batch is one matrix-vector product per weight, bound by how fast the weights
+    stream. CPU BLAS streams a matrix whose input dimension is the slow one ([in, out]
+    contiguous) about a quarter faster than the [out, in] layout checkpoints use (bench-llama
+    weights, 2 threads: 24.0 vs 19.6 GB/s). Shapes and values are unchanged, so `state_dict`,
+    checkpoints and the model code are unaffected; only strides change.
+    """
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.is_contiguous():
+                module.weight.data = module.weight.data.t().contiguous().t()
+    return model
+
+
 def init_random(model: Decoder, seed: int) -> Decoder:
     """Seeded random weights for presets: small normal matrices and norms near their identity,
     so logits are spread enough that greedy tokens differ step to step."""

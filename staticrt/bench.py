@@ -1,0 +1,239 @@
+"""Side-by-side decoding benchmarks: staticrt backends and transformers on the same weights, in one
+process, one run, so ratios are not skewed by a noisy machine drifting between runs.
+
+Decode is weight-streaming bound at small batch, so every result is also put against the
+machine's measured streaming rate: the bytes/s of a large matrix-vector product of the model's
+dtype, timed in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .checkpoint import load_model, resolve_dtype
+from .config import ModelConfig
+from .generate import Generator
+from .model import Decoder
+
+STAGE = Callable[[str], None]
+
+
+def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
+    """Bytes of weights one decode step reads: every matrix once, but of an untied embedding
+    table only the looked-up rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    if model.lm_head is not None:
+        total -= embed.numel() * embed.element_size()
+        total += batch_size * embed.shape[1] * embed.element_size()
+    return total
+
+
+def matvec_bytes_per_s(dtype: torch.dtype, mib: int = 256, repeats: int = 15) -> float:
+    """Streaming rate of a large matrix-vector product, the bound a decode step can approach."""
+    cols = 8192
+    rows = mib * 2**20 // (cols * torch.finfo(dtype).bits // 8)
+    matrix = torch.randn(rows, cols).to(dtype)
+    vector = torch.randn(cols).to(dtype)
+    for _ in range(3):
+        torch.mv(matrix, vector)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mv(matrix, vector)
+        times.append(time.perf_counter() - start)
+    return matrix.numel() * matrix.element_size() / statistics.median(times)
+
+
+def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab, size=prompt_len).tolist() for _ in range(batch_size)]
+
+
+def bench_staticrt(
+    model: Decoder, backend: str, prompts: list[list[int]], new_tokens: int, repeats: int, cache: str = "static"
+) -> dict[str, Any]:
+    """One warm-up generation (it compiles), then `repeats` timed ones; medians of them."""
+    max_cache_len = len(prompts[0]) + new_tokens
+    gen = Generator(model, cache=cache, max_batch_size=len(prompts), max_cache_len=max_cache_len, backend=backend)
+    start = time.perf_counter()
+    tokens = gen.generate(prompts, max_new_tokens=new_tokens)
+    warmup_s = time.perf_counter() - start
+    prefill, decode = [], []
+    for _ in range(repeats):
+        gen.generate(prompts, max_new_tokens=new_tokens)
+        prefill.append(gen.last_stats.prefill_s)
+        decode.append(statistics.median(gen.last_stats.decode_s))
+    return _result(statistics.median(prefill), statistics.median(decode), len(prompts), tokens, warmup_s)
+
+
+def _result(prefill_s: float, decode_s: float, batch: int, tokens: list[list[int]], warmup_s: float) -> dict[str, Any]:
+    return {
+        "prefill_ms": 1000 * prefill_s,
+        "decode_ms_per_token": 1000 * decode_s,
+        "tokens_per_s": batch / decode_s,
+        "first_run_s": warmup_s,
+        "tokens": tokens,
+    }
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The transformers config.json that describes the same model, for running presets in transformers."""
+    rope: dict[str, Any] = {"rope_type": config.rope.kind, "rope_theta": config.rope.theta}
+    if config.rope.kind != "default":
+        rope["factor"] = config.rope.factor
+    if config.rope.kind == "llama3":
+        rope.update(low_freq_factor=config.rope.low_freq_factor, high_freq_factor=config.rope.high_freq_factor,
+                    original_max_position_embeddings=config.rope.original_max_position_embeddings)
+    cfg = {
+        "model_type": config.family, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias, "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0,
+    }
+    if config.sliding_window is not None:
+        cfg.update(sliding_window=config.sliding_window, layer_types=list(config.layer_types))
+    if config.family == "gemma2":
+        cfg.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
+                   attn_logit_softcapping=config.attn_logit_softcapping,
+                   final_logit_softcapping=config.final_logit_softcapping)
+    else:
+        cfg["hidden_act"] = config.hidden_act
+    if config.family == "qwen2":
+        cfg["use_sliding_window"] = config.sliding_window is not None
+    return cfg
+
+
+def hf_model_like(model: Decoder):
+    """A transformers model holding the very same weights as `model`."""
+    import transformers
+
+    dtype = next(model.parameters()).dtype
+    cfg = transformers.AutoConfig.for_model(**hf_config(model.config))
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, strict=False)
+    return hf
+
+
+class _TokenClock:
+    """A transformers streamer that timestamps every `put`: the prompt first, then each token."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, Any]:
+    """transformers' own static-cache `generate` with its decode step compiled by torch.compile
+    (fullgraph, static shapes), on the same weights. Only batch 1 can use the per-token clock."""
+    from transformers import CompileConfig
+
+    hf = hf_model_like(model)
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    ids = torch.tensor(prompts)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, cache_implementation="static", compile_config=compile_config,
+                  eos_token_id=None, pad_token_id=0)
+
+    def run() -> tuple[float, float, list[list[int]]]:
+        clock = _TokenClock()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, streamer=clock, **kwargs)
+        first = clock.stamps[1] if len(clock.stamps) > 1 else time.perf_counter()
+        gaps = np.diff(clock.stamps[1:])
+        return first - start, float(np.median(gaps)), out[:, ids.shape[1]:].tolist()
+
+    start = time.perf_counter()
+    _, _, tokens = run()
+    warmup_s = time.perf_counter() - start
+    runs = [run() for _ in range(repeats)]
+    return _result(statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), len(prompts), tokens, warmup_s)
+
+
+def run_bench(
+    model_name: str,
+    backends: Sequence[str],
+    new_tokens: int = 64,
+    prompt_len: int = 32,
+    batch_size: int = 1,
+    repeats: int = 5,
+    threads: int | None = None,
+    dtype: str = "float32",
+    on_stage: STAGE = lambda _: None,
+) -> dict[str, Any]:
+    """Benchmark `backends` on one model in one process; returns the JSON-ready report."""
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(model_name, dtype=resolve_dtype(dtype))
+    prompts = bench_prompts(model.config.vocab_size, batch_size, prompt_len)
+    on_stage("measuring matrix-vector streaming rate")
+    stream_bps = matvec_bytes_per_s(resolve_dtype(dtype))
+    weight_bytes = weight_bytes_per_step(model, batch_size)
+    results: dict[str, Any] = {}
+    for name in backends:
+        on_stage(f"backend {name}: warm-up (compiles) and {repeats} timed runs of {new_tokens} tokens")
+        if name == "hf":
+            results[name] = bench_hf(model, prompts, new_tokens, repeats)
+        else:
+            results[name] = bench_staticrt(model, name, prompts, new_tokens, repeats)
+        res = results[name]
+        res["weight_bytes_per_step"] = weight_bytes
+        res["streaming_fraction"] = weight_bytes / (res["decode_ms_per_token"] / 1000) / stream_bps
+    ratios = {}
+    if "hf" in results:
+        for name in results:
+            if name != "hf":
+                ratios[f"{name}_decode_speedup_vs_hf"] = (
+                    results["hf"]["decode_ms_per_token"] / results[name]["decode_ms_per_token"]
+                )
+    return {
+        "model": model_name,
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "matvec_bytes_per_s": stream_bps,
+        "weight_bytes_per_step": weight_bytes,
+        "backends": results,
+        "ratios": ratios,
+        "tokens_agree": len({json.dumps(r["tokens"]) for r in results.values()}) == 1,
+    }
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    """Atomic: a reader never sees half a JSON file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)

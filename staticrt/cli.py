@@ -1,0 +1,262 @@
+"""staticrt command line: demo | run | bench | inspect."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+
+EPILOG = """\
+examples:
+  staticrt demo
+  staticrt run --model tiny-llama --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16 --json
+  staticrt run --model ./my-llama --prompt "The capital of France is" --backend compiled
+  staticrt bench --model bench-llama --backends eager,compiled,hf --new-tokens 64 --threads 2 --json bench.json
+  staticrt inspect --model tiny-gemma2 --max-cache-len 4096
+
+A model is a built-in preset ({presets}) or a Hugging Face checkpoint folder
+(config.json + safetensors, tokenizer.json for --prompt).
+"""
+
+
+def _preset_names() -> str:
+    from .config import PRESETS
+
+    return ", ".join(PRESETS)
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint folder")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--cache", default="static", help="KV cache kind (default static)")
+    p.add_argument("--max-cache-len", type=int, default=None, help="cache length in tokens (default: fits the request)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="staticrt",
+        description="LLM decoding as a fixed-shape, static-graph program.",
+        epilog=EPILOG.format(presets=_preset_names()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run every backend on a built-in tiny model and check they agree")
+    demo.add_argument("--model", default="tiny-llama", help="preset to demo (default tiny-llama)")
+    demo.add_argument("--new-tokens", type=int, default=32)
+
+    run = sub.add_parser("run", help="generate from a prompt", formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="Tokens stream to stdout as they are chosen; --json prints one object at the end.")
+    _add_model_args(run)
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
+    src.add_argument("--prompt-ids", type=_prompt_ids, action="append",
+                     help="token ids of one row, comma-separated; repeat for a batch")
+    run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--backend", default="eager", help="eager | compiled (default eager)")
+    run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
+    run.add_argument("--temperature", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop-ids", type=_prompt_ids, default=None,
+                     help="stop token ids, comma-separated (default: the checkpoint's eos ids)")
+    run.add_argument("--json", action="store_true", help="print {\"tokens\": [[...] per row], ...} as one JSON object")
+
+    bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
+    bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")
+    bench.add_argument("--backends", default="eager,compiled,hf",
+                       help="comma-separated: eager, compiled, hf (transformers, when installed)")
+    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--prompt-len", type=int, default=32)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--repeats", type=int, default=5, help="timed runs per backend after one warm-up")
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--json", type=Path, default=None, help="write the report here")
+
+    inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
+    _add_model_args(inspect)
+    inspect.add_argument("--batch-size", type=int, default=1)
+    return parser
+
+
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col != columns[0] else "left")
+    for row in rows:
+        table.add_row(*(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row))
+    return table
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from .backends import BACKENDS
+    from .checkpoint import load_model
+    from .generate import Generator
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    model = load_model(args.model)
+    prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 4, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
+    console.print(f"[bold]staticrt demo[/] on {args.model}: {len(prompts)} prompts, {args.new_tokens} new tokens each")
+    results, rows = {}, []
+    for name in BACKENDS:
+        gen = Generator(model, max_batch_size=len(prompts), max_cache_len=64, backend=name)
+        with console.status(f"{name}: first run (compiles where the backend compiles)"):
+            start = time.perf_counter()
+            gen.generate(prompts, max_new_tokens=args.new_tokens)
+            first = time.perf_counter() - start
+        results[name] = gen.generate(prompts, max_new_tokens=args.new_tokens)
+        stats = gen.last_stats
+        rows.append([name, first, 1000 * stats.prefill_s, stats.decode_ms_per_token,
+                     len(prompts) * 1000 / stats.decode_ms_per_token])
+    console.print(_table("tokens/s (decode, batch of 3)", ["backend", "first run s", "prefill ms",
+                                                            "decode ms/step", "tokens/s"], rows))
+    reference = next(iter(results.values()))
+    agree = all(tokens == reference for tokens in results.values())
+    for r, tokens in enumerate(reference):
+        console.print(f"row {r}: {prompts[r]} -> {tokens}")
+    if not agree:
+        console.print("[red]backends disagree:[/] " + json.dumps(results))
+        return 1
+    console.print(f"[green]all {len(results)} backends agree token for token[/]")
+    return 0
+
+
+def _stop_ids(args: argparse.Namespace, model: Any) -> list[int]:
+    return list(args.stop_ids) if args.stop_ids is not None else list(model.config.eos_token_ids)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load_model
+    from .generate import Generator
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model, dtype=args.dtype)
+    tokenizer = model.tokenizer
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise SystemExit(f"staticrt run: --prompt needs a tokenizer.json in the model folder and {args.model} "
+                             "has none; pass token ids with --prompt-ids 1,2,3 instead")
+        prompts = [tokenizer.encode(args.prompt).ids]
+    else:
+        prompts = args.prompt_ids
+    longest = max(len(p) for p in prompts)
+    max_cache_len = args.max_cache_len or longest + args.max_new_tokens
+    gen = Generator(model, cache=args.cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
+                    backend=args.backend)
+
+    def stream(row: int, token: int) -> None:
+        if args.json:
+            return
+        text = tokenizer.decode([token]) if tokenizer is not None else f" {token}"
+        sys.stdout.write(text if len(prompts) == 1 else f"[{row}]{text} ")
+        sys.stdout.flush()
+
+    tokens = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          stop_token_ids=_stop_ids(args, model), stream=stream)
+    stats = gen.last_stats
+    if args.json:
+        out: dict[str, Any] = {"tokens": tokens, "backend": args.backend, "cache": args.cache,
+                               "prefill_ms": 1000 * stats.prefill_s,
+                               "decode_ms_per_token": stats.decode_ms_per_token}
+        if tokenizer is not None:
+            out["text"] = [tokenizer.decode(t) for t in tokens]
+        print(json.dumps(out))
+    else:
+        sys.stdout.write("\n")
+        console.print(f"prefill {1000 * stats.prefill_s:.1f} ms, decode {stats.decode_ms_per_token:.2f} ms/token")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench, write_report
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "hf" in backends:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            console.print("[yellow]transformers is not installed: skipping the hf backend "
+                          "(pip install 'staticrt[hf]')[/]")
+            backends.remove("hf")
+    with console.status("benchmarking") as status:
+        report = run_bench(args.model, backends, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
+                           batch_size=args.batch_size, repeats=args.repeats, threads=args.threads,
+                           dtype=args.dtype, on_stage=lambda s: status.update(s))
+    rows = [[name, r["prefill_ms"], r["decode_ms_per_token"], r["tokens_per_s"], 100 * r["streaming_fraction"]]
+            for name, r in report["backends"].items()]
+    console.print(_table(f"{args.model}, batch {args.batch_size}, {report['machine']['torch_threads']} threads",
+                         ["backend", "prefill ms", "decode ms/token", "tokens/s", "% of streaming bound"], rows))
+    console.print(f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
+                  f"matrix-vector streaming rate: {report['matvec_bytes_per_s'] / 1e9:.1f} GB/s")
+    for key, value in report["ratios"].items():
+        console.print(f"{key}: {value:.2f}x")
+    if not report["tokens_agree"]:
+        console.print("[red]backends produced different tokens[/]")
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    return 0 if report["tokens_agree"] else 1
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .caches import CacheSpec, build_cache
+    from .checkpoint import load_model, resolve_dtype
+
+    model = load_model(args.model, dtype=args.dtype)
+    config = model.config
+    max_cache_len = args.max_cache_len or min(config.max_position_embeddings, 1024)
+    cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len), resolve_dtype(args.dtype), "meta")
+    rows = []
+    for i, kind in enumerate(config.layer_types):
+        key, value = cache.layer_buffers(i)
+        rows.append([i, kind, cache.kind, "x".join(map(str, key.shape)),
+                     f"{2 * key.numel() * key.element_size():,}"])
+    console.print(_table(f"{args.model}: {args.cache} cache, batch {args.batch_size}, max_cache_len {max_cache_len}",
+                         ["layer", "attention", "cache", "K and V shape [B,H_kv,L,D]", "bytes"], rows))
+    console.print(f"total KV bytes: {cache.device_bytes():,}")
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "run": cmd_run, "bench": cmd_bench, "inspect": cmd_inspect}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .caches import CacheError
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .generate import GenerationError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (GenerationError, CheckpointError, ConfigError, CacheError) as err:
+        console.print(f"[red]staticrt {args.command}: {err}[/]")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
