@@ -133,9 +133,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     reference = next(iter(results.values()))
     agree = all(tokens == reference for tokens in results.values())
     for r, tokens in enumerate(reference):
-        console.print(f"row {r}: {prompts[r]} -> {tokens}")
+        console.print(f"row {r}: {prompts[r]} -> {tokens}", markup=False, soft_wrap=True)
     if not agree:
-        console.print("[red]backends disagree:[/] " + json.dumps(results))
+        console.print("backends disagree: " + json.dumps(results), style="red", markup=False, soft_wrap=True)
         return 1
     console.print(f"[green]all {len(results)} backends agree token for token[/]")
     return 0
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (GenerationError, CheckpointError, ConfigError, CacheError) as err:
-        console.print(f"[red]staticrt {args.command}: {err}[/]")
+        console.print(f"staticrt {args.command}: {err}", style="red", markup=False, soft_wrap=True)
         return 2
 
 
