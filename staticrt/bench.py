@@ -126,7 +126,7 @@ def hf_model_like(model: Decoder):
     state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    hf.load_state_dict(state, strict=False)
+    hf.load_state_dict(state, strict=True)  # a name that does not match must not leave random weights
     return hf
 
 
@@ -145,7 +145,7 @@ class _TokenClock:
 
 def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, Any]:
     """transformers' own static-cache `generate` with its decode step compiled by torch.compile
-    (fullgraph, static shapes), on the same weights. Only batch 1 can use the per-token clock."""
+    (fullgraph, static shapes), on the same weights, timed token by token through a streamer."""
     from transformers import CompileConfig
 
     hf = hf_model_like(model)
@@ -186,10 +186,11 @@ def run_bench(
     """Benchmark `backends` on one model in one process; returns the JSON-ready report."""
     if threads:
         torch.set_num_threads(threads)
-    model = load_model(model_name, dtype=resolve_dtype(dtype))
+    torch_dtype = resolve_dtype(dtype)
+    model = load_model(model_name, dtype=torch_dtype)
     prompts = bench_prompts(model.config.vocab_size, batch_size, prompt_len)
     on_stage("measuring matrix-vector streaming rate")
-    stream_bps = matvec_bytes_per_s(resolve_dtype(dtype))
+    stream_bps = matvec_bytes_per_s(torch_dtype)
     weight_bytes = weight_bytes_per_step(model, batch_size)
     results: dict[str, Any] = {}
     for name in backends:

@@ -44,8 +44,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint folder")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--cache", default="static", help="KV cache kind (default static)")
-    p.add_argument("--max-cache-len", type=int, default=None, help="cache length in tokens (default: fits the request)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--max-cache-len", type=int, default=None, help="cache length in tokens (default: run fits prompt + new tokens; inspect takes the "
+                   "model's context, at most 1024)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_prompt_ids, action="append",
                      help="token ids of one row, comma-separated; repeat for a batch")
     run.add_argument("--max-new-tokens", type=int, default=32)
+    run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     run.add_argument("--backend", default="eager", help="eager | compiled (default eager)")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     run.add_argument("--temperature", type=float, default=1.0)
@@ -223,12 +224,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .caches import CacheSpec, build_cache
+    from .caches import CacheSpec, build_cache, default_max_cache_len
     from .checkpoint import load_model, resolve_dtype
 
     model = load_model(args.model, dtype=args.dtype)
     config = model.config
-    max_cache_len = args.max_cache_len or min(config.max_position_embeddings, 1024)
+    max_cache_len = args.max_cache_len or default_max_cache_len(config)
     cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len), resolve_dtype(args.dtype), "meta")
     rows = []
     for i, kind in enumerate(config.layer_types):

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..caches import CacheSpec, KVCache, build_cache
+from ..caches import CacheSpec, KVCache, build_cache, default_max_cache_len
 from ..generate import GenerationError, SamplingParams, default_buckets
 from ..model import Decoder
 from ..sampling import greedy, sample
@@ -46,7 +46,7 @@ class EagerBackend:
         prefill_buckets: Sequence[int] | None = None,
     ) -> None:
         config = model.config
-        max_cache_len = max_cache_len or min(config.max_position_embeddings, 1024)
+        max_cache_len = max_cache_len or default_max_cache_len(config)
         buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else default_buckets(max_cache_len)
         if buckets[0] < 1 or buckets[-1] > max_cache_len:
             raise GenerationError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from .base import CacheError, CacheSpec, KVCache
+from .base import CacheError, CacheSpec, KVCache, default_max_cache_len
 from .static import StaticCache
 
 CACHE_KINDS = {"static": StaticCache}
@@ -24,4 +24,4 @@ def build_cache(
     return cls(config, spec, dtype, device)
 
 
-__all__ = ["CACHE_KINDS", "CacheError", "CacheSpec", "KVCache", "StaticCache", "build_cache"]
+__all__ = ["CACHE_KINDS", "CacheError", "CacheSpec", "KVCache", "StaticCache", "build_cache", "default_max_cache_len"]

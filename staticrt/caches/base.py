@@ -7,6 +7,7 @@ keep their addresses; nothing here ever reassigns them.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,12 @@ from ..config import ModelConfig
 
 class CacheError(ValueError):
     """A cache request that cannot be met, naming the input, the limit and the way out."""
+
+
+def default_max_cache_len(config: ModelConfig) -> int:
+    """The cache length used when none is asked for: the model's context, capped so a default
+    Static cache (which attends over every slot) stays small."""
+    return min(config.max_position_embeddings, 1024)
 
 
 @dataclass(frozen=True)
@@ -34,8 +41,9 @@ class CacheSpec:
             raise CacheError(f"max_cache_len is {self.max_cache_len}; it must be at least 1")
 
 
-class KVCache(nn.Module):
-    """Per-layer K/V buffers `[B, H_kv, L_layer, D]` plus per-row lengths `[B]`."""
+class KVCache(nn.Module, ABC):
+    """Per-layer K/V buffers `[B, H_kv, L_layer, D]` plus per-row lengths `[B]`; each kind says
+    which position a slot holds (`attention_mask`) and where a write lands (`update`)."""
 
     kind = "base"
 
@@ -68,16 +76,16 @@ class KVCache(nn.Module):
         """Record each row's length after this step (`write_index + num_new`, both `[B]`)."""
         self.seq_lens.copy_(write_index + num_new)
 
+    @abstractmethod
     def attention_mask(self, layer_kind: str, positions: torch.Tensor) -> torch.Tensor:
         """Bool `[B, 1, T, L]`: which slots a query at `positions [B, T]` may attend to, computed
         in the graph from positions so no Python int specialises it."""
-        raise NotImplementedError
 
+    @abstractmethod
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key`/`value [B, H_kv, T, D]` in place and return the layer's whole buffers."""
-        raise NotImplementedError
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
         """Tokens held per row, `[B]` int64 (a tensor: the graph never specialises on it)."""
