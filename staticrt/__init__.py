@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "load_model": "staticrt.checkpoint",
+    "load_config": "staticrt.checkpoint",
     "ModelConfig": "staticrt.config",
     "PRESETS": "staticrt.config",
     "Generator": "staticrt.generate",
@@ -21,6 +22,8 @@ _EXPORTS = {
     "CacheSpec": "staticrt.caches",
     "CacheError": "staticrt.caches",
     "StaticCache": "staticrt.caches",
+    "SlidingWindowCache": "staticrt.caches",
+    "HybridCache": "staticrt.caches",
     "build_cache": "staticrt.caches",
 }
 

@@ -47,6 +47,7 @@ class StepBackend(Protocol):
     name: str
     batch_size: int
     max_cache_len: int
+    max_sequence_len: int | None  # positions a row can reach; None when the cache never runs out
     vocab_size: int
     buckets: tuple[int, ...]
 
@@ -108,11 +109,12 @@ def validate_request(
             raise GenerationError(
                 f"prompt {r} holds token id(s) {bad[:5]} outside the vocabulary [0, {backend.vocab_size})"
             )
-        if len(ids) + max_new_tokens > backend.max_cache_len:
+        limit = backend.max_sequence_len
+        if limit is not None and len(ids) + max_new_tokens > limit:
             raise GenerationError(
                 f"prompt {r} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that is "
-                f"{len(ids) + max_new_tokens}, beyond max_cache_len={backend.max_cache_len}; shorten the "
-                "prompt, ask for fewer tokens or build the Generator with a larger max_cache_len"
+                f"{len(ids) + max_new_tokens}, beyond max_cache_len={limit}; shorten the prompt, ask for "
+                "fewer tokens or build the Generator with a larger max_cache_len"
             )
         if len(ids) > backend.buckets[-1]:
             raise GenerationError(
@@ -181,7 +183,10 @@ class Generator:
     """A model bound to a cache and a backend, for repeated generation with fixed shapes.
 
     `model` is a `Decoder` (from `staticrt.load_model`) or an already built `StepBackend`.
-    Building the torch backends imports torch; this module itself does not.
+    `cache` is "static", "sliding" (every layer a rotating buffer of `window` slots), "hybrid"
+    (rotating buffers for sliding layers only) or "auto" (what the model's config implies);
+    `window` defaults to the model's `sliding_window`. Building the torch backends imports torch;
+    this module itself does not.
     """
 
     def __init__(
@@ -192,6 +197,7 @@ class Generator:
         max_cache_len: int | None = None,
         backend: str = "eager",
         prefill_buckets: Sequence[int] | None = None,
+        window: int | None = None,
     ) -> None:
         if hasattr(model, "step") and hasattr(model, "buckets"):
             self.backend: StepBackend = model
@@ -200,7 +206,7 @@ class Generator:
 
             self.backend = create_backend(
                 backend, model, cache=cache, max_batch_size=max_batch_size,
-                max_cache_len=max_cache_len, prefill_buckets=prefill_buckets,
+                max_cache_len=max_cache_len, prefill_buckets=prefill_buckets, window=window,
             )
         self.last_stats = GenerationStats()
 

@@ -22,9 +22,10 @@ from .rope import apply_rope, inverse_frequencies, rope_tables
 @dataclass
 class StepMetadata:
     write_index: torch.Tensor  # [B] int64: tokens each row already holds in the cache
+    num_new: torch.Tensor  # [B] int64: real tokens each row adds this step (the rest is padding)
     cos: torch.Tensor  # [B, 1, T, D]
     sin: torch.Tensor  # [B, 1, T, D]
-    masks: dict[str, torch.Tensor]  # layer kind -> bool [B, 1, T, L_kind]
+    masks: dict[tuple[str, bool], torch.Tensor]  # cache.mask_key(layer) -> bool [B, 1, T, L_layer + T]
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +67,6 @@ class Attention(nn.Module):
         c = config
         qkv_bias = c.attention_bias or c.qkv_bias
         self.layer_idx = layer_idx
-        self.kind = c.layer_types[layer_idx]
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcapping
@@ -84,18 +84,21 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, steps, kv_heads, dim).transpose(1, 2)
         q = apply_rope(q, meta.cos, meta.sin)
         k = apply_rope(k, meta.cos, meta.sin)
-        keys, values = cache.update(k, v, self.layer_idx, meta.write_index)  # [B, Hkv, L, D]
-        length = keys.shape[2]
+        # Attend to the cache as it was before this step plus the step's own K/V, then write (see
+        # caches/base.py for why this order). The two parts' scores are joined, never the K/V.
+        keys, values = cache.layer_buffers(self.layer_idx)  # [B, Hkv, L, D]
+        held = keys.shape[2]
         # GQA without repeating K/V: the G query heads that share a KV head are stacked along the
         # query axis, so one batched matmul per KV head reads the cache once.
         q = q.reshape(batch, kv_heads, group * steps, dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, Hkv, G*T, L]
-        if self.softcap is not None:
+        scores = torch.cat([q @ keys.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) * self.scale
+        if self.softcap is not None:  # scores [B, Hkv, G*T, L + T]
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        mask = meta.masks[self.kind][:, :, None]  # [B, 1, 1, T, L]
-        scores = scores.view(batch, kv_heads, group, steps, length).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * steps, length)
-        out = torch.matmul(probs, values)  # [B, Hkv, G*T, D]
+        mask = meta.masks[cache.mask_key(self.layer_idx)][:, :, None]  # [B, 1, 1, T, L + T]
+        scores = scores.view(batch, kv_heads, group, steps, held + steps).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * steps, held + steps)
+        out = probs[..., :held] @ values + probs[..., held:] @ v  # [B, Hkv, G*T, D]
+        cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
         out = out.view(batch, heads, steps, dim).transpose(1, 2).reshape(batch, steps, heads * dim)
         return self.o_proj(out)
 
@@ -142,8 +145,8 @@ class Decoder(nn.Module):
         positions = write_index[:, None] + torch.arange(steps, device=write_index.device)  # [B, T]
         cos, sin = rope_tables(positions, self.inv_freq, dtype)
         cache.begin_step(write_index, num_new)
-        masks = {kind: cache.attention_mask(kind, positions) for kind in set(self.config.layer_types)}
-        return StepMetadata(write_index=write_index, cos=cos, sin=sin, masks=masks)
+        masks = cache.attention_masks(positions)
+        return StepMetadata(write_index=write_index, num_new=num_new, cos=cos, sin=sin, masks=masks)
 
     def forward(
         self,

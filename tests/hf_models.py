@@ -39,6 +39,8 @@ def family_config(family: str, **overrides):
                              rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
     elif family == "mistral":
         cfg = tf.MistralConfig(**COMMON, sliding_window=None)
+    elif family == "mistral-sw16":  # every layer attends through a window of 16
+        cfg = tf.MistralConfig(**COMMON, sliding_window=16)
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**{**COMMON, "num_key_value_heads": 1})
     elif family == "gemma2":

@@ -44,9 +44,10 @@ class EagerBackend:
         max_batch_size: int = 1,
         max_cache_len: int | None = None,
         prefill_buckets: Sequence[int] | None = None,
+        window: int | None = None,
     ) -> None:
         config = model.config
-        max_cache_len = max_cache_len or default_max_cache_len(config)
+        max_cache_len = max_cache_len or default_max_cache_len(config, cache)
         buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else default_buckets(max_cache_len)
         if buckets[0] < 1 or buckets[-1] > max_cache_len:
             raise GenerationError(
@@ -55,9 +56,11 @@ class EagerBackend:
         param = next(model.parameters())
         self.model = model
         self.device = param.device
-        self.cache = build_cache(config, CacheSpec(cache, max_batch_size, max_cache_len), param.dtype, param.device)
+        spec = CacheSpec(cache, max_batch_size, max_cache_len, window)
+        self.cache = build_cache(config, spec, param.dtype, param.device)
         self.batch_size = max_batch_size
         self.max_cache_len = max_cache_len
+        self.max_sequence_len = self.cache.max_sequence_len
         self.vocab_size = config.vocab_size
         self.buckets = buckets
 
@@ -77,6 +80,7 @@ class EagerBackend:
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
         batch, steps = input_ids.shape
+        self.cache.check_step(write_index, steps)
         dev = self.device
         full = lambda value, dtype: torch.full((batch,), value, dtype=dtype, device=dev)  # noqa: E731
         fn = self.step_function(steps, uniforms is not None)

@@ -3,64 +3,126 @@
 Caches know nothing of backends. A cache is an `nn.Module` whose K/V tensors are registered
 buffers allocated once and tagged with `mark_static_address`, so compiled graphs and CUDA graphs
 keep their addresses; nothing here ever reassigns them.
+
+Each layer's buffer is laid out one of two ways, and the cache kinds differ only in which layers
+get which (static.py, sliding.py, hybrid.py):
+
+- linear: `max_cache_len` slots, slot j holds position j (TensorScatter mode `linear`);
+- rotating: `window` slots, slot = position mod window (TensorScatter mode `circular`), as in
+  mistral-inference's RotatingBufferCache. Nothing rolls or shifts; a decode step writes one slot.
+
+A step attends to the buffer as it was *before* the step plus the step's own new K/V, and only
+then writes the new entries. That one order is what makes a rotating buffer exact for prefill
+chunks longer than the window: a query early in a 40-token chunk still needs positions that the
+chunk's later tokens will overwrite, and it reads them before they are overwritten. It costs no
+copy of the buffer (scores of the two parts are joined, not the K/V), needs no chunking of
+prompts and no buffer larger than the window, and it is the same order for every layout, so the
+model has one attention path.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops import cache_write
 
 
 class CacheError(ValueError):
     """A cache request that cannot be met, naming the input, the limit and the way out."""
 
 
-def default_max_cache_len(config: ModelConfig) -> int:
+def default_max_cache_len(config: ModelConfig, kind: str = "static") -> int:
     """The cache length used when none is asked for: the model's context, capped so a default
-    Static cache (which attends over every slot) stays small."""
-    return min(config.max_position_embeddings, 1024)
+    Static cache (which attends over every slot) stays small, and never below the sliding window
+    for caches with rotating layers (so they hold the whole window)."""
+    length = min(config.max_position_embeddings, 1024)
+    if kind != "static" and config.sliding_window:
+        length = max(length, config.sliding_window)
+    return length
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """The shape of a cache a Generator asks for; `kind` is one of `CACHE_KINDS`."""
+    """The shape of a cache a Generator asks for; `kind` is one of `CACHE_KINDS` or "auto".
+
+    `window` is the number of slots of rotating layers; None takes the model's `sliding_window`.
+    """
 
     kind: str
     max_batch_size: int
     max_cache_len: int
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise CacheError(f"max_batch_size is {self.max_batch_size}; it must be at least 1")
         if self.max_cache_len < 1:
             raise CacheError(f"max_cache_len is {self.max_cache_len}; it must be at least 1")
+        if self.window is not None and self.window < 1:
+            raise CacheError(f"window is {self.window}; a sliding cache needs at least 1 slot a layer")
+
+
+def sliding_layers(config: ModelConfig, kind: str) -> list[int]:
+    """The layers that attend through a sliding window; a cache `kind` that rotates some layers
+    is refused for a model with none."""
+    layers = [i for i, layer in enumerate(config.layer_types) if layer == "sliding_attention"]
+    if not layers:
+        raise CacheError(
+            f"cache {kind!r} gives sliding-window layers a rotating buffer, but no layer of this "
+            f"{config.family} model attends through a sliding window; use cache='static'"
+        )
+    return layers
+
+
+def cache_window(config: ModelConfig, spec: CacheSpec) -> int:
+    """The slots of a rotating layer, checked against the model and `max_cache_len`."""
+    window = spec.window if spec.window is not None else config.sliding_window
+    if window < config.sliding_window:
+        raise CacheError(
+            f"window is {window}, smaller than the model's sliding_window {config.sliding_window}; the "
+            f"cache would drop positions the model attends to; use window >= {config.sliding_window} "
+            "or leave it unset"
+        )
+    if window > spec.max_cache_len:
+        raise CacheError(
+            f"window is {window}, larger than max_cache_len {spec.max_cache_len}; a rotating buffer would "
+            "hold more than the whole sequence; use cache='static' (it covers the window) or raise "
+            f"max_cache_len to at least {window}"
+        )
+    return window
 
 
 class KVCache(nn.Module, ABC):
-    """Per-layer K/V buffers `[B, H_kv, L_layer, D]` plus per-row lengths `[B]`; each kind says
-    which position a slot holds (`attention_mask`) and where a write lands (`update`)."""
+    """Per-layer K/V buffers `[B, H_kv, L_layer, D]` plus per-row lengths `[B]`.
+
+    Subclasses only choose which layers rotate (`rotating_layers`); masks and writes follow.
+    """
 
     kind = "base"
 
     def __init__(
-        self,
-        config: ModelConfig,
-        spec: CacheSpec,
-        layer_lengths: list[int],
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
+        self, config: ModelConfig, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> None:
         super().__init__()
+        rotating = self.rotating_layers(config)
+        if spec.window is not None and not any(rotating):
+            raise CacheError(
+                f"window={spec.window} has no effect on a {self.kind} cache, whose layers all hold "
+                "max_cache_len positions; drop the window or use cache='sliding' or 'hybrid'"
+            )
         self.config = config
         self.spec = spec
-        self.layer_lengths = tuple(layer_lengths)
+        self.rotating = tuple(rotating)
+        self.window = cache_window(config, spec) if any(rotating) else None
+        self.layer_lengths = tuple(self.window if r else spec.max_cache_len for r in self.rotating)
         shape = (spec.max_batch_size, config.num_kv_heads)
-        for i, length in enumerate(layer_lengths):
+        for i, length in enumerate(self.layer_lengths):
             for name in (f"key_{i}", f"value_{i}"):
                 buf = torch.zeros(*shape, length, config.head_dim, dtype=dtype, device=device)
                 self.register_buffer(name, buf)
@@ -69,33 +131,131 @@ class KVCache(nn.Module, ABC):
         self.register_buffer("seq_lens", seq_lens)
         torch._dynamo.mark_static_address(seq_lens)
 
+    @classmethod
+    @abstractmethod
+    def rotating_layers(cls, config: ModelConfig) -> list[bool]:
+        """Per layer: a rotating buffer of `window` slots (True) or a linear one (False); raises
+        CacheError when this kind does not fit the model."""
+
+    @property
+    def max_sequence_len(self) -> int | None:
+        """Positions a row can reach: None when every layer rotates (generation never runs out)."""
+        return None if all(self.rotating) else self.spec.max_cache_len
+
+    def layer_kind(self, layer_idx: int) -> str:
+        return "sliding" if self.rotating[layer_idx] else "static"
+
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"key_{layer_idx}"), getattr(self, f"value_{layer_idx}")
+
+    def check_step(self, write_index: Sequence[int], steps: int) -> None:
+        """Refuse, on the host and before anything runs, a step of `steps` tokens per row at
+        `write_index` that would write past a linear layer (a compiled graph cannot raise on data)."""
+        limit = self.max_sequence_len
+        if limit is None:
+            return
+        for row, start in enumerate(write_index):
+            if int(start) + steps > limit:
+                raise CacheError(
+                    f"row {row} writes positions {int(start)}..{int(start) + steps - 1}, but this {self.kind} "
+                    f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); build it with a larger "
+                    "max_cache_len"
+                )
 
     def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
         """Record each row's length after this step (`write_index + num_new`, both `[B]`)."""
         self.seq_lens.copy_(write_index + num_new)
 
-    @abstractmethod
-    def attention_mask(self, layer_kind: str, positions: torch.Tensor) -> torch.Tensor:
-        """Bool `[B, 1, T, L]`: which slots a query at `positions [B, T]` may attend to, computed
-        in the graph from positions so no Python int specialises it."""
+    def mask_key(self, layer_idx: int) -> tuple[str, bool]:
+        """Layers with the same key share one mask: (attention kind, rotating buffer)."""
+        return self.config.layer_types[layer_idx], self.rotating[layer_idx]
 
-    @abstractmethod
+    def attention_masks(self, positions: torch.Tensor) -> dict[tuple[str, bool], torch.Tensor]:
+        """Bool `[B, 1, T, L + T]` per mask key: which of the layer's L slots (as they were before
+        this step) and which of the step's T new entries a query at `positions [B, T]` may see.
+
+        Computed in the graph from positions, so no Python int specialises it: an empty slot or
+        one beyond the sliding window is hidden, and the new entries are causal among themselves
+        (right padding sits after every real token, so real queries never see it).
+        """
+        keys = {self.mask_key(i) for i in range(len(self.rotating))}
+        return {key: self._mask(*key, positions) for key in keys}
+
+    def _mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
+        held = self.held_positions(rotating, positions[:, 0])[:, None, :]  # [B, 1, L], -1 = empty
+        query = positions[:, :, None]  # [B, T, 1]
+        new = positions[:, None, :]  # [B, 1, T]
+        see_held, see_new = held >= 0, new <= query
+        if attention == "sliding_attention":
+            window = self.config.sliding_window
+            see_held = see_held & (query - held < window)
+            see_new = see_new & (query - new < window)
+        see_held = see_held.expand(-1, positions.shape[1], -1)
+        return torch.cat([see_held, see_new], dim=-1)[:, None]
+
+    def held_positions(self, rotating: bool, write_index: torch.Tensor) -> torch.Tensor:
+        """`[B, L]` int64: the position each slot holds before a step at `write_index [B]` (every
+        earlier position has been written by then), negative where the slot is still empty."""
+        device = write_index.device
+        if not rotating:
+            slots = torch.arange(self.spec.max_cache_len, device=device)[None, :]
+            return torch.where(slots < write_index[:, None], slots, -1)
+        slots = torch.arange(self.window, device=device)[None, :]
+        newest = write_index[:, None] - 1  # [B, 1]
+        # The newest position p <= newest with p = slot (mod window); below 0 when never written.
+        return newest - torch.remainder(newest - slots, self.window)
+
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write `key`/`value [B, H_kv, T, D]` in place and return the layer's whole buffers."""
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        write_index: torch.Tensor,
+        num_new: torch.Tensor,
+    ) -> None:
+        """Write `key`/`value [B, H_kv, T, D]` in place; call after attending to the old contents.
+
+        `num_new [B]` counts each row's real entries; the rest is right padding.
+        """
+        for buf, new in zip(self.layer_buffers(layer_idx), (key, value)):
+            if self.rotating[layer_idx]:
+                self._write_rotating(buf, new, write_index, num_new)
+            else:
+                # Padding lands beyond the row's length, where the mask hides it until a real
+                # token overwrites it; `check_step` keeps the write inside the buffer.
+                cache_write(buf, new, write_index)
+
+    @staticmethod
+    def _write_rotating(buf: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Write each row's last `m = min(T, window)` real entries, circularly.
+
+        Only the newest `window` positions survive a chunk, and m distinct slots keep the scatter
+        free of duplicate indices. Rows with fewer than m real entries (short prompts in a long
+        bucket, decode's T = 1 aside) write their slots' old contents back, so right padding never
+        overwrites positions the row still needs.
+        """
+        batch, heads, steps, dim = new.shape
+        slots = buf.shape[2]
+        m = min(steps, slots)
+        offsets = torch.arange(m, device=buf.device)
+        take = num_new[:, None] - m + offsets  # [B, m] index into the chunk; < 0: keep the old entry
+        start = torch.remainder(write_index + num_new - m, slots)  # [B] slot of the first written entry
+        fresh = new.gather(2, take.clamp(min=0)[:, None, :, None].expand(batch, heads, m, dim))
+        targets = torch.remainder(start[:, None] + offsets, slots)  # [B, m]
+        rows = torch.arange(batch, device=buf.device)[:, None]
+        old = buf[rows, :, targets].transpose(1, 2)  # [B, H, m, D]
+        cache_write(buf, torch.where((take >= 0)[:, None, :, None], fresh, old), start, circular=True)
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
-        """Tokens held per row, `[B]` int64 (a tensor: the graph never specialises on it)."""
+        """Tokens seen per row, `[B]` int64 (a tensor: the graph never specialises on it)."""
         return self.seq_lens
 
-    def get_max_cache_shape(self) -> int:
-        return self.spec.max_cache_len
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """Slots of layer `layer_idx`: `window` for rotating layers, else `max_cache_len`."""
+        return self.layer_lengths[layer_idx]
 
     def state_buffers(self) -> list[torch.Tensor]:
-        """The K/V buffers of every layer and the lengths; constant tables are not state."""
+        """The K/V buffers of every layer and the lengths."""
         kv = [buf for i in range(len(self.layer_lengths)) for buf in self.layer_buffers(i)]
         return kv + [self.seq_lens]
 
