@@ -25,7 +25,7 @@ class StepMetadata:
     num_new: torch.Tensor  # [B] int64: real tokens each row adds this step (the rest is padding)
     cos: torch.Tensor  # [B, 1, T, D]
     sin: torch.Tensor  # [B, 1, T, D]
-    masks: dict[tuple[str, bool], torch.Tensor]  # cache.mask_key(layer) -> bool [B, 1, T, L_layer + T]
+    masks: dict[tuple[str, bool], torch.Tensor]  # cache.mask_key(layer) -> bool [B, 1, T, L_layer (+ T)]
 
 
 class RMSNorm(nn.Module):
@@ -84,21 +84,31 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, steps, kv_heads, dim).transpose(1, 2)
         q = apply_rope(q, meta.cos, meta.sin)
         k = apply_rope(k, meta.cos, meta.sin)
-        # Attend to the cache as it was before this step plus the step's own K/V, then write (see
-        # caches/base.py for why this order). The two parts' scores are joined, never the K/V.
+        # Write, then attend to the buffer; or, where a write could clobber what this step's
+        # queries need (a rotating layer in a multi-token step), attend to the buffer as it was
+        # plus the step's own K/V and write afterwards (caches/base.py says why both).
+        write_first = cache.writes_first(self.layer_idx, steps)
+        if write_first:
+            cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
         keys, values = cache.layer_buffers(self.layer_idx)  # [B, Hkv, L, D]
         held = keys.shape[2]
         # GQA without repeating K/V: the G query heads that share a KV head are stacked along the
         # query axis, so one batched matmul per KV head reads the cache once.
         q = q.reshape(batch, kv_heads, group * steps, dim)
-        scores = torch.cat([q @ keys.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1) * self.scale
-        if self.softcap is not None:  # scores [B, Hkv, G*T, L + T]
+        scores = q @ keys.transpose(-1, -2)  # [B, Hkv, G*T, L]
+        if not write_first:
+            scores = torch.cat([scores, q @ k.transpose(-1, -2)], dim=-1)  # [B, Hkv, G*T, L + T]
+        scores = scores * self.scale
+        length = scores.shape[-1]
+        if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        mask = meta.masks[cache.mask_key(self.layer_idx)][:, :, None]  # [B, 1, 1, T, L + T]
-        scores = scores.view(batch, kv_heads, group, steps, held + steps).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * steps, held + steps)
-        out = probs[..., :held] @ values + probs[..., held:] @ v  # [B, Hkv, G*T, D]
-        cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
+        mask = meta.masks[cache.mask_key(self.layer_idx)][:, :, None]  # [B, 1, 1, T, length]
+        scores = scores.view(batch, kv_heads, group, steps, length).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * steps, length)
+        out = probs[..., :held] @ values  # [B, Hkv, G*T, D]
+        if not write_first:
+            out = out + probs[..., held:] @ v
+            cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
         out = out.view(batch, heads, steps, dim).transpose(1, 2).reshape(batch, steps, heads * dim)
         return self.o_proj(out)
 

@@ -37,11 +37,10 @@ def held(cache, layer: int) -> list[list[int]]:
 
 def seen(cache, layer: int, positions: list[int], query: int) -> list[int]:
     """The positions that the query at `positions[query]` (row 0) may attend to in a step over
-    `positions`, read off the mask: the slots as they were before the step, then the new entries."""
+    `positions`, read off the mask."""
     pos = torch.tensor([positions])
-    mask = cache.attention_masks(pos)[cache.mask_key(layer)][0, 0, query]  # [L + T]
-    key_pos = torch.cat([cache.held_positions(cache.rotating[layer], pos[:, 0])[0], pos[0]])
-    return sorted(key_pos[mask].tolist())
+    mask = cache.attention_masks(pos)[cache.mask_key(layer)][0, 0, query]  # [L] or [L + T]
+    return sorted(cache.key_positions(cache.rotating[layer], pos)[0, query][mask].tolist())
 
 
 def sliding_cache(window: int = 4, batch: int = 1) -> SlidingWindowCache:
@@ -117,7 +116,7 @@ def test_static_mask_is_causal_and_windowed_for_sliding_layers():
     write(cache, 0, [0], 2)
     assert [seen(cache, 1, [2, 3, 4], q) for q in range(3)] == [[0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
     assert [seen(cache, 0, [2, 3, 4], q) for q in range(3)] == [[1, 2], [2, 3], [3, 4]]
-    assert cache.attention_masks(torch.tensor([[2, 3, 4]]))[(FULL, False)].shape == (1, 1, 3, 6 + 3)
+    assert cache.attention_masks(torch.tensor([[2, 3, 4]]))[(FULL, False)].shape == (1, 1, 3, 6)
 
 
 def test_static_cache_of_four_refuses_position_four():

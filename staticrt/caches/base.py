@@ -11,13 +11,17 @@ get which (static.py, sliding.py, hybrid.py):
 - rotating: `window` slots, slot = position mod window (TensorScatter mode `circular`), as in
   mistral-inference's RotatingBufferCache. Nothing rolls or shifts; a decode step writes one slot.
 
-A step attends to the buffer as it was *before* the step plus the step's own new K/V, and only
-then writes the new entries. That one order is what makes a rotating buffer exact for prefill
-chunks longer than the window: a query early in a 40-token chunk still needs positions that the
-chunk's later tokens will overwrite, and it reads them before they are overwritten. It costs no
-copy of the buffer (scores of the two parts are joined, not the K/V), needs no chunking of
-prompts and no buffer larger than the window, and it is the same order for every layout, so the
-model has one attention path.
+Where it is exact, a step writes its new entries first and then attends to the buffer alone
+(the old order for every linear layer, and for a rotating layer's decode step: the one slot it
+overwrites held the position a window back, which the query no longer sees). A rotating layer in
+a multi-token step instead attends to the buffer as it was before the step plus the step's own
+K/V, and writes afterwards: a query early in a 40-token chunk still needs positions that the
+chunk's later tokens overwrite, and reads them before they go. That keeps a window-sized buffer
+exact for prefill chunks of any length, with no chunking of prompts and no buffer larger than the
+window (the two parts' scores are joined, never the K/V). Read-then-write is not the order for
+everything because a compiled graph that reads a buffer and then mutates it keeps the old contents
+alive: inductor copies the whole buffer every step (bench-llama, 4128 slots, 2 CPU threads:
+decode went from 12.9 to 23 ms/token). In a prefill that copy is noise; in decode it is not.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import cache_write
+
+
+def _writes_first(rotating: bool, steps: int) -> bool:
+    return not rotating or steps == 1
 
 
 class CacheError(ValueError):
@@ -170,38 +178,51 @@ class KVCache(nn.Module, ABC):
         """Layers with the same key share one mask: (attention kind, rotating buffer)."""
         return self.config.layer_types[layer_idx], self.rotating[layer_idx]
 
-    def attention_masks(self, positions: torch.Tensor) -> dict[tuple[str, bool], torch.Tensor]:
-        """Bool `[B, 1, T, L + T]` per mask key: which of the layer's L slots (as they were before
-        this step) and which of the step's T new entries a query at `positions [B, T]` may see.
+    def writes_first(self, layer_idx: int, steps: int) -> bool:
+        """Whether a step of `steps` tokens writes layer `layer_idx` before attending to it (see
+        the module docstring); the order is fixed when the step is traced."""
+        return _writes_first(self.rotating[layer_idx], steps)
 
-        Computed in the graph from positions, so no Python int specialises it: an empty slot or
-        one beyond the sliding window is hidden, and the new entries are causal among themselves
-        (right padding sits after every real token, so real queries never see it).
+    def attention_masks(self, positions: torch.Tensor) -> dict[tuple[str, bool], torch.Tensor]:
+        """Bool per mask key: which slots, and for read-first layers which of the step's T new
+        entries, a query at `positions [B, T]` may see: `[B, 1, T, L]` for a layer written
+        first, `[B, 1, T, L + T]` (the buffer as it was, then the new entries) otherwise.
+
+        Computed in the graph from positions, so no Python int specialises it: empty slots,
+        later positions (right padding sits after every real token) and positions beyond the
+        sliding window are hidden.
         """
         keys = {self.mask_key(i) for i in range(len(self.rotating))}
         return {key: self._mask(*key, positions) for key in keys}
 
     def _mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
-        held = self.held_positions(rotating, positions[:, 0])[:, None, :]  # [B, 1, L], -1 = empty
+        keys = self.key_positions(rotating, positions)
         query = positions[:, :, None]  # [B, T, 1]
-        new = positions[:, None, :]  # [B, 1, T]
-        see_held, see_new = held >= 0, new <= query
+        visible = (keys >= 0) & (keys <= query)
         if attention == "sliding_attention":
-            window = self.config.sliding_window
-            see_held = see_held & (query - held < window)
-            see_new = see_new & (query - new < window)
-        see_held = see_held.expand(-1, positions.shape[1], -1)
-        return torch.cat([see_held, see_new], dim=-1)[:, None]
+            visible = visible & (query - keys < self.config.sliding_window)
+        return visible[:, None]
 
-    def held_positions(self, rotating: bool, write_index: torch.Tensor) -> torch.Tensor:
-        """`[B, L]` int64: the position each slot holds before a step at `write_index [B]` (every
-        earlier position has been written by then), negative where the slot is still empty."""
-        device = write_index.device
+    def key_positions(self, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, T, L]` or `[B, T, L + T]`: the position of every key a layer of this layout
+        attends to in a step at `positions [B, T]` (negative for an empty slot)."""
+        steps = positions.shape[1]
+        write_first = _writes_first(rotating, steps)
+        filled_to = positions[:, 0] + (steps if write_first else 0)  # [B] positions held when attending
+        held = self.held_positions(rotating, filled_to)[:, None, :].expand(-1, steps, -1)  # [B, T, L]
+        if write_first:
+            return held
+        return torch.cat([held, positions[:, None, :].expand(-1, steps, -1)], dim=-1)
+
+    def held_positions(self, rotating: bool, filled_to: torch.Tensor) -> torch.Tensor:
+        """`[B, L]` int64: the position each slot holds once positions `0 .. filled_to[b] - 1`
+        have been written, negative where the slot is still empty."""
+        device = filled_to.device
         if not rotating:
             slots = torch.arange(self.spec.max_cache_len, device=device)[None, :]
-            return torch.where(slots < write_index[:, None], slots, -1)
+            return torch.where(slots < filled_to[:, None], slots, -1)
         slots = torch.arange(self.window, device=device)[None, :]
-        newest = write_index[:, None] - 1  # [B, 1]
+        newest = filled_to[:, None] - 1  # [B, 1]
         # The newest position p <= newest with p = slot (mod window); below 0 when never written.
         return newest - torch.remainder(newest - slots, self.window)
 
@@ -213,7 +234,8 @@ class KVCache(nn.Module, ABC):
         write_index: torch.Tensor,
         num_new: torch.Tensor,
     ) -> None:
-        """Write `key`/`value [B, H_kv, T, D]` in place; call after attending to the old contents.
+        """Write `key`/`value [B, H_kv, T, D]` in place, before or after attending as
+        `writes_first` says.
 
         `num_new [B]` counts each row's real entries; the rest is right padding.
         """
@@ -236,6 +258,12 @@ class KVCache(nn.Module, ABC):
         """
         batch, heads, steps, dim = new.shape
         slots = buf.shape[2]
+        if steps == 1:
+            # Decode: every row's one entry is real (a step gives each row at least one token), so
+            # nothing is written back, and the graph never reads the buffer it mutates (a read
+            # would make inductor copy the whole buffer each step, see the module docstring).
+            cache_write(buf, new, torch.remainder(write_index, slots), circular=True)
+            return
         m = min(steps, slots)
         offsets = torch.arange(m, device=buf.device)
         take = num_new[:, None] - m + offsets  # [B, m] index into the chunk; < 0: keep the old entry
