@@ -8,6 +8,7 @@ dtype, timed in the same run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -25,6 +26,10 @@ from .generate import Generator
 from .model import Decoder
 
 STAGE = Callable[[str], None]
+
+
+class BenchError(ValueError):
+    """A benchmark request that cannot be run as asked; names the option and the fix."""
 
 
 def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
@@ -60,11 +65,14 @@ def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int
 
 
 def bench_staticrt(
-    model: Decoder, backend: str, prompts: list[list[int]], new_tokens: int, repeats: int, cache: str = "static"
+    model: Decoder, backend: str, prompts: list[list[int]], new_tokens: int, repeats: int, cache: str = "static",
+    max_cache_len: int | None = None,
 ) -> dict[str, Any]:
-    """One warm-up generation (it compiles), then `repeats` timed ones; medians of them."""
-    max_cache_len = len(prompts[0]) + new_tokens
-    gen = Generator(model, cache=cache, max_batch_size=len(prompts), max_cache_len=max_cache_len, backend=backend)
+    """One warm-up generation (it compiles), then `repeats` timed ones; medians of them. The
+    prompt fills its prefill bucket exactly, so prefill times carry no padding."""
+    max_cache_len = max_cache_len or len(prompts[0]) + new_tokens
+    gen = Generator(model, cache=cache, max_batch_size=len(prompts), max_cache_len=max_cache_len, backend=backend,
+                    prefill_buckets=(len(prompts[0]),))
     start = time.perf_counter()
     tokens = gen.generate(prompts, max_new_tokens=new_tokens)
     warmup_s = time.perf_counter() - start
@@ -104,7 +112,9 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "mlp_bias": config.mlp_bias, "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0,
     }
     if config.sliding_window is not None:
-        cfg.update(sliding_window=config.sliding_window, layer_types=list(config.layer_types))
+        cfg["sliding_window"] = config.sliding_window
+        if config.family != "mistral":  # Mistral windows every layer and takes no layer_types
+            cfg["layer_types"] = list(config.layer_types)
     if config.family == "gemma2":
         cfg.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
                    attn_logit_softcapping=config.attn_logit_softcapping,
@@ -149,7 +159,11 @@ def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats:
     from transformers import CompileConfig
 
     hf = hf_model_like(model)
-    compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+    # Its sliding-window layers branch on a Python int length that grows every step: with static
+    # shapes that is a recompile a token (and a hard failure under fullgraph), so there dynamo may
+    # turn the int symbolic after the first recompile.
+    dynamic = None if model.config.sliding_window else False
+    compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, mode="default")
     compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     ids = torch.tensor(prompts)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
@@ -172,6 +186,20 @@ def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats:
     return _result(statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), len(prompts), tokens, warmup_s)
 
 
+def with_sliding_window(model: Decoder, window: int) -> Decoder:
+    """The same weights as a Mistral-style model whose every layer attends through `window`
+    positions: a window changes masks and caches, never a weight, so one model serves both."""
+    layers = ("sliding_attention",) * model.config.num_layers
+    model.config = dataclasses.replace(model.config, family="mistral", sliding_window=window, layer_types=layers)
+    return model
+
+
+def kv_bytes_per_step(config: ModelConfig, batch_size: int, attended: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V a decode step must read when every layer attends to `attended` positions."""
+    element = torch.finfo(dtype).bits // 8
+    return 2 * config.num_layers * batch_size * config.num_kv_heads * attended * config.head_dim * element
+
+
 def run_bench(
     model_name: str,
     backends: Sequence[str],
@@ -181,40 +209,69 @@ def run_bench(
     repeats: int = 5,
     threads: int | None = None,
     dtype: str = "float32",
+    window: int | None = None,
     on_stage: STAGE = lambda _: None,
 ) -> dict[str, Any]:
-    """Benchmark `backends` on one model in one process; returns the JSON-ready report."""
+    """Benchmark `backends` on one model in one process; returns the JSON-ready report.
+
+    With `window`, every layer gets that sliding window and the prompt must be at least as long:
+    each staticrt backend runs twice, with a SlidingWindow cache past the window ("NAME-sliding")
+    and with a Static cache of `window` positions ("NAME-static", the same attended length, so
+    the only difference is the rotating buffer), and "hf" runs transformers' sliding-window
+    static cache on the sliding prompts.
+    """
+    if window is not None and prompt_len < window:
+        raise BenchError(
+            f"prompt_len {prompt_len} is shorter than window {window}; the sliding benchmark decodes past the "
+            f"window, so use --prompt-len {window} or more"
+        )
+    if window is not None and new_tokens >= window:
+        raise BenchError(
+            f"new_tokens {new_tokens} must be below window {window}: the Static run holds the window; "
+            "ask for fewer --new-tokens"
+        )
     if threads:
         torch.set_num_threads(threads)
     torch_dtype = resolve_dtype(dtype)
     model = load_model(model_name, dtype=torch_dtype)
-    prompts = bench_prompts(model.config.vocab_size, batch_size, prompt_len)
+    if window is not None:
+        with_sliding_window(model, window)
+    config = model.config
+    prompts = bench_prompts(config.vocab_size, batch_size, prompt_len)
     on_stage("measuring matrix-vector streaming rate")
     stream_bps = matvec_bytes_per_s(torch_dtype)
     weight_bytes = weight_bytes_per_step(model, batch_size)
-    results: dict[str, Any] = {}
+    # label -> (backend, cache, prompts, max_cache_len, positions a decode step attends to)
+    runs: dict[str, tuple[str, str, list[list[int]], int | None, int]] = {}
     for name in backends:
-        on_stage(f"backend {name}: warm-up (compiles) and {repeats} timed runs of {new_tokens} tokens")
-        if name == "hf":
-            results[name] = bench_hf(model, prompts, new_tokens, repeats)
+        if window is None:
+            runs[name] = (name, "static", prompts, None, prompt_len + new_tokens)
+        elif name == "hf":
+            runs[name] = (name, "sliding", prompts, None, window)
         else:
-            results[name] = bench_staticrt(model, name, prompts, new_tokens, repeats)
-        res = results[name]
-        res["weight_bytes_per_step"] = weight_bytes
-        res["streaming_fraction"] = weight_bytes / (res["decode_ms_per_token"] / 1000) / stream_bps
-    ratios = {}
-    if "hf" in results:
-        for name in results:
-            if name != "hf":
-                ratios[f"{name}_decode_speedup_vs_hf"] = (
-                    results["hf"]["decode_ms_per_token"] / results[name]["decode_ms_per_token"]
-                )
+            runs[f"{name}-sliding"] = (name, "sliding", prompts, prompt_len, window)
+            short = [p[: window - new_tokens] for p in prompts]
+            runs[f"{name}-static"] = (name, "static", short, window, window)
+    results: dict[str, Any] = {}
+    for label, (backend, cache, run_prompts, max_cache_len, attended) in runs.items():
+        on_stage(f"{label}: warm-up (compiles) and {repeats} timed runs of {len(run_prompts[0])} prompt + "
+                 f"{new_tokens} new tokens")
+        if backend == "hf":
+            res = bench_hf(model, run_prompts, new_tokens, repeats)
+        else:
+            res = bench_staticrt(model, backend, run_prompts, new_tokens, repeats, cache, max_cache_len)
+        kv_bytes = kv_bytes_per_step(config, batch_size, attended, torch_dtype)
+        res.update(cache=cache, prompt_len=len(run_prompts[0]), weight_bytes_per_step=weight_bytes,
+                   kv_bytes_per_step=kv_bytes,
+                   streaming_fraction=(weight_bytes + kv_bytes) / (res["decode_ms_per_token"] / 1000) / stream_bps)
+        results[label] = res
     return {
         "model": model_name,
         "dtype": dtype,
         "batch_size": batch_size,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
+        "window": window,
         "repeats": repeats,
         "machine": {
             "platform": platform.platform(),
@@ -227,9 +284,23 @@ def run_bench(
         "matvec_bytes_per_s": stream_bps,
         "weight_bytes_per_step": weight_bytes,
         "backends": results,
-        "ratios": ratios,
-        "tokens_agree": len({json.dumps(r["tokens"]) for r in results.values()}) == 1,
+        "ratios": _ratios(results),
+        # every run of the same prompts must choose the same tokens (the static-at-window runs differ)
+        "tokens_agree": len({json.dumps(r["tokens"]) for r in results.values() if r["prompt_len"] == prompt_len}) == 1,
     }
+
+
+def _ratios(results: dict[str, Any]) -> dict[str, float]:
+    """Decode speedups against transformers and, for sliding runs, the rotating buffer's cost
+    over a Static cache of the same attended length (the goal is at most 1.2)."""
+    step = {label: res["decode_ms_per_token"] for label, res in results.items()}
+    ratios = {}
+    for label in step:
+        if "hf" in step and label != "hf":
+            ratios[f"{label}_decode_speedup_vs_hf"] = step["hf"] / step[label]
+        if label.endswith("-sliding") and f"{label[:-8]}-static" in step:
+            ratios[f"{label}_step_cost_vs_static"] = step[label] / step[f"{label[:-8]}-static"]
+    return ratios
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:

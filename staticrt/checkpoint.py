@@ -90,22 +90,30 @@ def load_state_dict_checked(model: Decoder, state: dict[str, torch.Tensor], sour
     model.load_state_dict(state, assign=True)
 
 
+def load_config(path_or_preset: str | Path) -> ModelConfig:
+    """The architecture of a preset or a checkpoint folder, without reading any weights (what
+    `inspect` needs for a checkpoint of any size)."""
+    name = str(path_or_preset)
+    if name in PRESETS:
+        return PRESETS[name]
+    if not Path(path_or_preset).is_dir():
+        raise CheckpointError(
+            f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder"
+        )
+    return load_hf_config(Path(path_or_preset))
+
+
 def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> Decoder:
     """A preset name (`tiny-llama`, ...) or a Hugging Face checkpoint folder -> `Decoder` in
     inference mode. The folder's `tokenizer.json`, when present, is loaded as `model.tokenizer`."""
     dtype = resolve_dtype(dtype)
-    name = str(path_or_preset)
-    if name in PRESETS:
-        model = init_random(Decoder(PRESETS[name]), seed=0).to(dtype=dtype, device=device)
+    config = load_config(path_or_preset)
+    if str(path_or_preset) in PRESETS:
+        model = init_random(Decoder(config), seed=0).to(dtype=dtype, device=device)
         model.tokenizer = None
-        model.source = name
+        model.source = str(path_or_preset)
         return _ready(model)
     folder = Path(path_or_preset)
-    if not folder.is_dir():
-        raise CheckpointError(
-            f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder"
-        )
-    config: ModelConfig = load_hf_config(folder)
     files = _weight_files(folder)
     with torch.device("meta"):
         model = Decoder(config)

@@ -20,7 +20,9 @@ examples:
   staticrt run --model tiny-llama --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16 --json
   staticrt run --model ./my-llama --prompt "The capital of France is" --backend compiled
   staticrt bench --model bench-llama --backends eager,compiled,hf --new-tokens 64 --threads 2 --json bench.json
-  staticrt inspect --model tiny-gemma2 --max-cache-len 4096
+  staticrt bench --backends compiled,hf --window 4096 --prompt-len 4160 --new-tokens 32 --json bench-sliding.json
+  staticrt run --model tiny-mistral --cache sliding --prompt-ids 1,2,3 --max-new-tokens 500
+  staticrt inspect --model tiny-gemma2 --cache hybrid --max-cache-len 4096
 
 A model is a built-in preset ({presets}) or a Hugging Face checkpoint folder
 (config.json + safetensors, tokenizer.json for --prompt).
@@ -43,9 +45,16 @@ def _prompt_ids(text: str) -> list[int]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint folder")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    p.add_argument("--cache", default="static", help="KV cache kind (default static)")
-    p.add_argument("--max-cache-len", type=int, default=None, help="cache length in tokens (default: run fits prompt + new tokens; inspect takes the "
-                   "model's context, at most 1024)")
+    p.add_argument("--cache", default="auto",
+                   help="KV cache: static (every position), sliding (every layer a rotating buffer of the "
+                        "window; generation never runs out), hybrid (rotating buffers for sliding-window "
+                        "layers only, as in Gemma2), auto (default: what the model's config implies, static "
+                        "when the window is no shorter than --max-cache-len)")
+    p.add_argument("--max-cache-len", type=int, default=None,
+                   help="positions a static layer holds (default: run fits prompt + new tokens; inspect takes "
+                        "the model's context, at most 1024; never below the window for sliding and hybrid)")
+    p.add_argument("--window", type=int, default=None,
+                   help="slots of a rotating layer (default: the model's sliding_window)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=5, help="timed runs per backend after one warm-up")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--window", type=int, default=None,
+                       help="give every layer this sliding window and compare, past it, a SlidingWindow cache "
+                            "with a Static cache of the window and transformers' sliding-window cache "
+                            "(needs --prompt-len >= window)")
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
 
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
@@ -101,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     table = Table(title=title)
     for col in columns:
-        table.add_column(col, justify="right" if col != columns[0] else "left")
+        first = col == columns[0]  # row names stay whole; numeric headers may wrap
+        table.add_column(col, justify="left" if first else "right", no_wrap=first)
     for row in rows:
         table.add_row(*(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row))
     return table
@@ -163,10 +177,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompts = [tokenizer.encode(args.prompt).ids]
     else:
         prompts = args.prompt_ids
-    longest = max(len(p) for p in prompts)
-    max_cache_len = args.max_cache_len or longest + args.max_new_tokens
+    max_cache_len = args.max_cache_len or max(len(p) for p in prompts) + args.max_new_tokens
+    if not args.max_cache_len and args.cache in ("sliding", "hybrid"):
+        max_cache_len = max(max_cache_len, args.window or model.config.sliding_window or 0)
     gen = Generator(model, cache=args.cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
-                    backend=args.backend)
+                    backend=args.backend, window=args.window)
 
     def stream(row: int, token: int) -> None:
         if args.json:
@@ -180,7 +195,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                           stop_token_ids=_stop_ids(args, model), stream=stream)
     stats = gen.last_stats
     if args.json:
-        out: dict[str, Any] = {"tokens": tokens, "backend": args.backend, "cache": args.cache,
+        out: dict[str, Any] = {"tokens": tokens, "backend": args.backend, "cache": gen.backend.cache.kind,
                                "prefill_ms": 1000 * stats.prefill_s,
                                "decode_ms_per_token": stats.decode_ms_per_token}
         if tokenizer is not None:
@@ -206,11 +221,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with console.status("benchmarking") as status:
         report = run_bench(args.model, backends, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
                            batch_size=args.batch_size, repeats=args.repeats, threads=args.threads,
-                           dtype=args.dtype, on_stage=lambda s: status.update(s))
-    rows = [[name, r["prefill_ms"], r["decode_ms_per_token"], r["tokens_per_s"], 100 * r["streaming_fraction"]]
-            for name, r in report["backends"].items()]
-    console.print(_table(f"{args.model}, batch {args.batch_size}, {report['machine']['torch_threads']} threads",
-                         ["backend", "prefill ms", "decode ms/token", "tokens/s", "% of streaming bound"], rows))
+                           dtype=args.dtype, window=args.window, on_stage=lambda s: status.update(s))
+    rows = [[name, r["prompt_len"], r["prefill_ms"], r["decode_ms_per_token"], r["tokens_per_s"],
+             r["kv_bytes_per_step"] / 1e6, 100 * r["streaming_fraction"]] for name, r in report["backends"].items()]
+    title = f"{args.model}, batch {args.batch_size}, {report['machine']['torch_threads']} threads"
+    if args.window:
+        title += f", sliding window {args.window}"
+    console.print(_table(title, ["backend", "prompt", "prefill ms", "decode ms/token", "tokens/s", "K/V MB a step",
+                                 "% of streaming bound"], rows))
     console.print(f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
                   f"matrix-vector streaming rate: {report['matvec_bytes_per_s'] / 1e9:.1f} GB/s")
     for key, value in report["ratios"].items():
@@ -225,20 +243,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .caches import CacheSpec, build_cache, default_max_cache_len
-    from .checkpoint import load_model, resolve_dtype
+    from .checkpoint import load_config, resolve_dtype
 
-    model = load_model(args.model, dtype=args.dtype)
-    config = model.config
-    max_cache_len = args.max_cache_len or default_max_cache_len(config)
-    cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len), resolve_dtype(args.dtype), "meta")
+    config, dtype = load_config(args.model), resolve_dtype(args.dtype)
+    max_cache_len = args.max_cache_len or default_max_cache_len(config, args.cache)
+    cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len, args.window), dtype, "meta")
+    static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")
     rows = []
-    for i, kind in enumerate(config.layer_types):
-        key, value = cache.layer_buffers(i)
-        rows.append([i, kind, cache.kind, "x".join(map(str, key.shape)),
+    for i, attention in enumerate(config.layer_types):
+        key, _ = cache.layer_buffers(i)
+        rows.append([i, attention, cache.layer_kind(i), "x".join(map(str, key.shape)),
                      f"{2 * key.numel() * key.element_size():,}"])
-    console.print(_table(f"{args.model}: {args.cache} cache, batch {args.batch_size}, max_cache_len {max_cache_len}",
-                         ["layer", "attention", "cache", "K and V shape [B,H_kv,L,D]", "bytes"], rows))
-    console.print(f"total KV bytes: {cache.device_bytes():,}")
+    title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"
+    if cache.window:
+        title += f", window {cache.window}"
+    console.print(_table(title, ["layer", "attention", "cache", "K and V shape [B,H_kv,L,D]", "bytes"], rows))
+    ours, full = cache.device_bytes(), static.device_bytes()
+    console.print(f"cache bytes (K/V and lengths): {ours:,}; a static cache of the same length: {full:,} "
+                  f"({ours / full:.1%} of it)", soft_wrap=True)
     return 0
 
 
@@ -247,6 +269,7 @@ COMMANDS = {"demo": cmd_demo, "run": cmd_run, "bench": cmd_bench, "inspect": cmd
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .bench import BenchError
     from .caches import CacheError
     from .checkpoint import CheckpointError
     from .config import ConfigError
@@ -254,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (GenerationError, CheckpointError, ConfigError, CacheError) as err:
+    except (GenerationError, CheckpointError, ConfigError, CacheError, BenchError) as err:
         console.print(f"staticrt {args.command}: {err}", style="red", markup=False, soft_wrap=True)
         return 2
 

@@ -50,3 +50,30 @@ def test_demo_runs_every_backend_and_they_agree():
     proc = subprocess.run([sys.executable, "-m", "staticrt.cli", "demo"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "all 2 backends agree token for token" in proc.stderr
+
+
+def test_run_sliding_cache_generates_past_max_cache_len_and_matches_transformers(hf_checkpoints, capsys):
+    folder, hf = hf_checkpoints["mistral-sw16"]
+    args = ["run", "--model", str(folder), "--cache", "sliding", "--prompt-ids", "5,17,99,3", "--max-new-tokens",
+            "60", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cache"] == "sliding"  # max_cache_len defaulted to the window, 16: far below 64 positions
+    assert out["tokens"] == [hf_greedy(hf, [5, 17, 99, 3], 60)]
+
+
+def test_inspect_prints_each_layer_and_the_total_against_static(capsys):
+    assert main(["inspect", "--model", "tiny-gemma2", "--cache", "hybrid", "--max-cache-len", "4096"]) == 0
+    err = capsys.readouterr().err
+    # tiny-gemma2: 2 KV heads of 16, layer 0 windowed (64 slots), layer 1 global; float32
+    assert "tiny-gemma2: hybrid cache, batch 1, max_cache_len 4096, window 64" in err
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in err.splitlines() if line.count("│") == 6]
+    assert cells == [["0", "sliding_attention", "sliding", "1x2x64x16", "16,384"],
+                     ["1", "full_attention", "static", "1x2x4096x16", "1,048,576"]]
+    assert ("cache bytes (K/V and lengths): 1,064,968; a static cache of the same length: 2,097,160 "
+            "(50.8% of it)") in err
+
+
+def test_inspect_refuses_a_cache_the_model_cannot_use(capsys):
+    assert main(["inspect", "--model", "tiny-llama", "--cache", "sliding"]) == 2
+    assert "no layer of this llama model attends through a sliding window; use cache='static'" in capsys.readouterr().err

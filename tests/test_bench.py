@@ -1,0 +1,31 @@
+"""The benchmark's sliding-window mode runs what it says (no timings are asserted: speed lives in
+`staticrt bench` JSON, not in tests)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from staticrt.bench import BenchError, run_bench
+
+
+def test_sliding_bench_compares_the_same_tokens_as_transformers():
+    pytest.importorskip("transformers", reason="the hf backend needs the test extra")
+    report = run_bench("tiny-llama", ["eager", "hf"], new_tokens=8, prompt_len=80, repeats=1, window=64)
+    runs = report["backends"]
+    assert {k: (r["cache"], r["prompt_len"]) for k, r in runs.items()} == {
+        "eager-sliding": ("sliding", 80), "eager-static": ("static", 56), "hf": ("sliding", 80)}
+    assert runs["eager-sliding"]["tokens"] == runs["hf"]["tokens"]  # transformers' own sliding cache agrees
+    assert report["tokens_agree"]
+    assert set(report["ratios"]) == {"eager-sliding_decode_speedup_vs_hf", "eager-sliding_step_cost_vs_static",
+                                     "eager-static_decode_speedup_vs_hf"}
+    # K/V read per step: 2 (K and V) x 2 layers x 1 row x 2 heads x 64 positions x 16 dims x 4 bytes
+    assert runs["eager-sliding"]["kv_bytes_per_step"] == runs["eager-static"]["kv_bytes_per_step"] == 32768
+
+
+def test_sliding_bench_needs_a_prompt_past_the_window():
+    with pytest.raises(BenchError, match=re.escape(
+            "prompt_len 32 is shorter than window 64; the sliding benchmark decodes past the window, so use "
+            "--prompt-len 64 or more")):
+        run_bench("tiny-llama", ["eager"], prompt_len=32, window=64)
