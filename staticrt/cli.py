@@ -223,12 +223,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            batch_size=args.batch_size, repeats=args.repeats, threads=args.threads,
                            dtype=args.dtype, window=args.window, on_stage=lambda s: status.update(s))
     rows = [[name, r["prompt_len"], r["prefill_ms"], r["decode_ms_per_token"], r["tokens_per_s"],
-             r["kv_bytes_per_step"] / 1e6, 100 * r["streaming_fraction"]] for name, r in report["backends"].items()]
+             r["kv_bytes_per_step"] / 1e6, 100 * r["streaming_fraction"], 100 * r["streaming_fraction_with_kv"]]
+            for name, r in report["backends"].items()]
     title = f"{args.model}, batch {args.batch_size}, {report['machine']['torch_threads']} threads"
     if args.window:
         title += f", sliding window {args.window}"
-    console.print(_table(title, ["backend", "prompt", "prefill ms", "decode ms/token", "tokens/s", "K/V MB a step",
-                                 "% of streaming bound"], rows))
+    console.print(_table(title, ["backend", "prompt", "prefill ms", "ms/token", "tok/s", "K/V MB", "% bound",
+                                 "% bound +K/V"], rows))
+    console.print("% bound: weight bytes a decode step reads over the step time, against the streaming rate; "
+                  "+K/V adds the cache the step reads", soft_wrap=True)
     console.print(f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
                   f"matrix-vector streaming rate: {report['matvec_bytes_per_s'] / 1e9:.1f} GB/s")
     for key, value in report["ratios"].items():
