@@ -223,8 +223,12 @@ class KVCache(nn.Module, ABC):
             return torch.where(slots < filled_to[:, None], slots, -1)
         slots = torch.arange(self.window, device=device)[None, :]
         newest = filled_to[:, None] - 1  # [B, 1]
-        # The newest position p <= newest with p = slot (mod window); below 0 when never written.
-        return newest - torch.remainder(newest - slots, self.window)
+        # The newest position p <= newest with p = slot (mod window), below 0 when never written:
+        # slots up to the newest one's hold this lap, the rest the lap before. One remainder a row,
+        # not one a slot: inductor recomputes the mask inside every layer's softmax, and an int64
+        # remainder per slot there cost ~1 ms a decode step at a window of 4096.
+        lap_start = newest - torch.remainder(newest, self.window)  # [B, 1] position held by slot 0
+        return lap_start + slots - self.window * (slots > newest - lap_start)
 
     def update(
         self,
