@@ -300,8 +300,9 @@ def _ratios(results: dict[str, Any]) -> dict[str, float]:
     for label in step:
         if "hf" in step and label != "hf":
             ratios[f"{label}_decode_speedup_vs_hf"] = step["hf"] / step[label]
-        if label.endswith("-sliding") and f"{label[:-8]}-static" in step:
-            ratios[f"{label}_step_cost_vs_static"] = step[label] / step[f"{label[:-8]}-static"]
+        static = f"{label.removesuffix('-sliding')}-static"
+        if label.endswith("-sliding") and static in step:
+            ratios[f"{label}_step_cost_vs_static"] = step[label] / step[static]
     return ratios
 
 
