@@ -24,6 +24,9 @@ _EXPORTS = {
     "StaticCache": "staticrt.caches",
     "SlidingWindowCache": "staticrt.caches",
     "HybridCache": "staticrt.caches",
+    "OffloadedStaticCache": "staticrt.caches",
+    "OffloadedHybridCache": "staticrt.caches",
+    "OffloadWarning": "staticrt.caches",
     "build_cache": "staticrt.caches",
 }
 

@@ -184,16 +184,19 @@ class Generator:
 
     `model` is a `Decoder` (from `staticrt.load_model`) or an already built `StepBackend`.
     `cache` is "static", "sliding" (every layer a rotating buffer of `window` slots), "hybrid"
-    (rotating buffers for sliding layers only) or "auto" (what the model's config implies);
-    `window` defaults to the model's `sliding_window`. Building the torch backends imports torch;
-    this module itself does not.
+    (rotating buffers for sliding layers only), "offloaded" (every layer's K/V in host memory,
+    two device working buffers), "offloaded-hybrid" (a hybrid cache with its global layers
+    offloaded) or "auto" (what the model's config implies); or a cache already built (e.g.
+    `staticrt.build_cache(model.config, ...)`), whose spec then sets batch size, length and window.
+    `window` defaults to the model's `sliding_window`; `max_batch_size` to 1. Building the torch
+    backends imports torch; this module itself does not.
     """
 
     def __init__(
         self,
         model: Any,
-        cache: str = "static",
-        max_batch_size: int = 1,
+        cache: Any = "static",
+        max_batch_size: int | None = None,
         max_cache_len: int | None = None,
         backend: str = "eager",
         prefill_buckets: Sequence[int] | None = None,

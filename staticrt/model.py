@@ -87,6 +87,7 @@ class Attention(nn.Module):
         # Write, then attend to the buffer; or, where a write could clobber what this step's
         # queries need (a rotating layer in a multi-token step), attend to the buffer as it was
         # plus the step's own K/V and write afterwards (caches/base.py says why both).
+        cache.load_layer(self.layer_idx, x)  # an offloaded layer's K/V arrives from the host here
         write_first = cache.writes_first(self.layer_idx, steps)
         if write_first:
             cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)

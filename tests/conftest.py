@@ -24,3 +24,22 @@ def hf_checkpoints(tmp_path_factory):
     pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
     root = tmp_path_factory.mktemp("hf")
     return {fam: (root / fam, save_hf_model(fam, root / fam)) for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16")}
+
+
+@pytest.fixture(scope="module")
+def generators(hf_checkpoints):
+    """(family, backend, cache kind) -> one Generator of batch 3 and 128 positions on that
+    checkpoint, shared within a module so that each compiled graph is built once."""
+    import staticrt
+
+    made: dict = {}
+
+    def get(family: str, backend: str, cache: str = "static"):
+        if (family, backend, cache) not in made:
+            model = staticrt.load_model(hf_checkpoints[family][0])
+            made[family, backend, cache] = staticrt.Generator(
+                model, cache=cache, max_batch_size=3, max_cache_len=128, backend=backend
+            )
+        return made[family, backend, cache]
+
+    return get

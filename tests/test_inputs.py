@@ -58,7 +58,7 @@ def test_unknown_backend_and_cache_kind():
     model = staticrt.load_model("tiny-llama")
     with pytest.raises(GenerationError, match="backend 'fast' is unknown; choose one of eager, compiled"):
         staticrt.Generator(model, backend="fast")
-    with pytest.raises(ValueError, match="cache kind 'paged' is unknown; choose one of static, sliding, hybrid, auto"):
+    with pytest.raises(ValueError, match="cache kind 'paged' is unknown; choose one of static, sliding, hybrid, offloaded, offloaded-hybrid, auto"):
         staticrt.Generator(model, cache="paged")
 
 

@@ -46,22 +46,6 @@ def test_logits_match_transformers(hf_checkpoints, family, backend):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def generators(hf_checkpoints):
-    """One Generator per (family, backend), shared so each compiled graph is built once."""
-    cache: dict = {}
-
-    def get(family: str, backend: str):
-        if (family, backend) not in cache:
-            model = staticrt.load_model(hf_checkpoints[family][0])
-            cache[family, backend] = staticrt.Generator(
-                model, cache="static", max_batch_size=3, max_cache_len=64, backend=backend
-            )
-        return cache[family, backend]
-
-    return get
-
-
 @pytest.mark.parametrize("backend", ["eager", "compiled"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_match_transformers(hf_checkpoints, generators, family, backend):

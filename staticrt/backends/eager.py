@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from ..caches import CacheSpec, KVCache, build_cache, default_max_cache_len
+from ..caches import CacheError, CacheSpec, KVCache, build_cache, default_max_cache_len
 from ..generate import GenerationError, SamplingParams, default_buckets
 from ..model import Decoder
 from ..sampling import greedy, sample
@@ -34,31 +34,55 @@ def run_step(
     return sample(logits, temperature, top_k, top_p, uniform)
 
 
+def _check_cache(cache: KVCache, model: Decoder, param: torch.Tensor, **requested: int | None) -> None:
+    """Refuse a prebuilt cache that does not fit the model, before anything runs on it."""
+    if cache.device != param.device:
+        raise CacheError(
+            f"the {cache.kind} cache is on {cache.device}, the model on {param.device}; build the cache with "
+            f"device={str(param.device)!r} (its working buffers must sit where the model computes)"
+        )
+    if cache.dtype != param.dtype:
+        raise CacheError(f"the cache holds {cache.dtype}, the model computes in {param.dtype}; build the cache with dtype={param.dtype}")
+    if cache.config != model.config:
+        raise CacheError("the cache was built for another model config; build it from this model's `config`")
+    for name, value in requested.items():
+        held = getattr(cache.spec, name)
+        if value is not None and value != held:
+            raise CacheError(f"{name}={value} conflicts with the cache's {name}={held}; leave it unset when passing a cache")
+
+
 class EagerBackend:
     name = "eager"
 
     def __init__(
         self,
         model: Decoder,
-        cache: str = "static",
-        max_batch_size: int = 1,
+        cache: str | KVCache = "static",
+        max_batch_size: int | None = None,
         max_cache_len: int | None = None,
         prefill_buckets: Sequence[int] | None = None,
         window: int | None = None,
     ) -> None:
+        """`cache` is a kind name (built here on the model's device) or a cache already built,
+        whose spec then decides batch size, length and window."""
         config = model.config
-        max_cache_len = max_cache_len or default_max_cache_len(config, cache)
+        param = next(model.parameters())
+        if isinstance(cache, KVCache):
+            _check_cache(cache, model, param, max_batch_size=max_batch_size, max_cache_len=max_cache_len, window=window)
+            self.cache = cache
+        else:
+            max_cache_len = max_cache_len or default_max_cache_len(config, cache)
+            spec = CacheSpec(cache, max_batch_size or 1, max_cache_len, window)
+            self.cache = build_cache(config, spec, param.dtype, param.device)
+        max_cache_len = self.cache.spec.max_cache_len
         buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else default_buckets(max_cache_len)
         if buckets[0] < 1 or buckets[-1] > max_cache_len:
             raise GenerationError(
                 f"prefill buckets {list(buckets)} must lie in [1, max_cache_len={max_cache_len}]"
             )
-        param = next(model.parameters())
         self.model = model
         self.device = param.device
-        spec = CacheSpec(cache, max_batch_size, max_cache_len, window)
-        self.cache = build_cache(config, spec, param.dtype, param.device)
-        self.batch_size = max_batch_size
+        self.batch_size = self.cache.spec.max_batch_size
         self.max_cache_len = max_cache_len
         self.max_sequence_len = self.cache.max_sequence_len
         self.vocab_size = config.vocab_size

@@ -9,10 +9,17 @@ import torch
 from ..config import ModelConfig
 from .base import CacheError, CacheSpec, KVCache, default_max_cache_len
 from .hybrid import HybridCache
+from .offloaded import OffloadedHybridCache, OffloadedStaticCache, OffloadWarning
 from .sliding import SlidingWindowCache
 from .static import StaticCache
 
-CACHE_KINDS = {"static": StaticCache, "sliding": SlidingWindowCache, "hybrid": HybridCache}
+CACHE_KINDS = {
+    "static": StaticCache,
+    "sliding": SlidingWindowCache,
+    "hybrid": HybridCache,
+    "offloaded": OffloadedStaticCache,
+    "offloaded-hybrid": OffloadedHybridCache,
+}
 CACHE_CHOICES = (*CACHE_KINDS, "auto")
 
 
@@ -40,6 +47,7 @@ def build_cache(
 
 
 __all__ = [
-    "CACHE_CHOICES", "CACHE_KINDS", "CacheError", "CacheSpec", "HybridCache", "KVCache", "SlidingWindowCache",
-    "StaticCache", "build_cache", "default_max_cache_len", "resolve_kind",
+    "CACHE_CHOICES", "CACHE_KINDS", "CacheError", "CacheSpec", "HybridCache", "KVCache", "OffloadWarning",
+    "OffloadedHybridCache", "OffloadedStaticCache", "SlidingWindowCache", "StaticCache", "build_cache",
+    "default_max_cache_len", "resolve_kind",
 ]

@@ -129,15 +129,25 @@ class KVCache(nn.Module, ABC):
         self.rotating = tuple(rotating)
         self.window = cache_window(config, spec) if any(rotating) else None
         self.layer_lengths = tuple(self.window if r else spec.max_cache_len for r in self.rotating)
-        shape = (spec.max_batch_size, config.num_kv_heads)
+        self.device = torch.device(device)
+        self.dtype = dtype
         for i, length in enumerate(self.layer_lengths):
-            for name in (f"key_{i}", f"value_{i}"):
-                buf = torch.zeros(*shape, length, config.head_dim, dtype=dtype, device=device)
-                self.register_buffer(name, buf)
-                torch._dynamo.mark_static_address(buf)
-        seq_lens = torch.zeros(spec.max_batch_size, dtype=torch.int64, device=device)
-        self.register_buffer("seq_lens", seq_lens)
-        torch._dynamo.mark_static_address(seq_lens)
+            self.allocate_layer(i, self.layer_shape(length))
+        self.register_static("seq_lens", torch.zeros(spec.max_batch_size, dtype=torch.int64, device=device))
+
+    def layer_shape(self, length: int) -> tuple[int, int, int, int]:
+        """`[B, H_kv, length, D]`: the shape of one layer's K (and V) buffer."""
+        return (self.spec.max_batch_size, self.config.num_kv_heads, length, self.config.head_dim)
+
+    def register_static(self, name: str, tensor: torch.Tensor) -> None:
+        """Register a buffer that lives as long as the cache at one address."""
+        self.register_buffer(name, tensor)
+        torch._dynamo.mark_static_address(tensor)
+
+    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
+        """Allocate layer `layer_idx`'s K/V on the cache's device (offloaded.py puts some on the host)."""
+        for name in (f"key_{layer_idx}", f"value_{layer_idx}"):
+            self.register_static(name, torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     @classmethod
     @abstractmethod
@@ -154,7 +164,18 @@ class KVCache(nn.Module, ABC):
         return "sliding" if self.rotating[layer_idx] else "static"
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V buffers `[B, H_kv, L, D]` a layer writes and attends to, on the cache's device."""
         return getattr(self, f"key_{layer_idx}"), getattr(self, f"value_{layer_idx}")
+
+    def storage_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where layer `layer_idx`'s K/V is kept between steps: its device buffers here, host
+        storage in an offloaded layer."""
+        return self.layer_buffers(layer_idx)
+
+    def load_layer(self, layer_idx: int, layer_input: torch.Tensor) -> None:
+        """Called as layer `layer_idx` starts attending, once its input `[B, T, C]` exists:
+        nothing to do when every layer's K/V is resident on the device (offloaded.py waits here
+        for the layer's copy from the host)."""
 
     def check_step(self, write_index: Sequence[int], steps: int) -> None:
         """Refuse, on the host and before anything runs, a step of `steps` tokens per row at
@@ -287,9 +308,8 @@ class KVCache(nn.Module, ABC):
         return self.layer_lengths[layer_idx]
 
     def state_buffers(self) -> list[torch.Tensor]:
-        """The K/V buffers of every layer and the lengths."""
-        kv = [buf for i in range(len(self.layer_lengths)) for buf in self.layer_buffers(i)]
-        return kv + [self.seq_lens]
+        """Every buffer the cache holds: K/V storage (and working buffers, where there are any) and the lengths."""
+        return list(self.buffers())
 
     def reset(self) -> None:
         """Zero the state in place; addresses stay valid for captured graphs."""
@@ -302,4 +322,16 @@ class KVCache(nn.Module, ABC):
             buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
 
     def device_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.state_buffers())
+        """Bytes the cache holds on its device (K/V, working buffers, lengths)."""
+        return sum(_nbytes(b) for name, b in self.named_buffers() if not name.startswith(HOST_PREFIX))
+
+    def host_bytes(self) -> int:
+        """Bytes of K/V kept in host memory (an offloaded cache's storage; 0 for the others)."""
+        return sum(_nbytes(b) for name, b in self.named_buffers() if name.startswith(HOST_PREFIX))
+
+
+HOST_PREFIX = "host_"  # buffers named so live in host memory, whatever the cache's device
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
