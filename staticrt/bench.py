@@ -43,18 +43,21 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     return total
 
 
-def matvec_bytes_per_s(dtype: torch.dtype, mib: int = 256, repeats: int = 15) -> float:
-    """Streaming rate of a large matrix-vector product, the bound a decode step can approach."""
+def matvec_bytes_per_s(dtype: torch.dtype, device: torch.device, mib: int = 256, repeats: int = 15) -> float:
+    """Streaming rate of a large matrix-vector product on `device`, the bound a decode step can approach."""
     cols = 8192
     rows = mib * 2**20 // (cols * torch.finfo(dtype).bits // 8)
-    matrix = torch.randn(rows, cols).to(dtype)
-    vector = torch.randn(cols).to(dtype)
+    matrix = torch.randn(rows, cols).to(dtype=dtype, device=device)
+    vector = torch.randn(cols).to(dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     for _ in range(3):
         torch.mv(matrix, vector)
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         torch.mv(matrix, vector)
+        sync()
         times.append(time.perf_counter() - start)
     return matrix.numel() * matrix.element_size() / statistics.median(times)
 
@@ -81,7 +84,9 @@ def bench_staticrt(
         gen.generate(prompts, max_new_tokens=new_tokens)
         prefill.append(gen.last_stats.prefill_s)
         decode.append(statistics.median(gen.last_stats.decode_s))
-    return _result(statistics.median(prefill), statistics.median(decode), len(prompts), tokens, warmup_s)
+    res = _result(statistics.median(prefill), statistics.median(decode), len(prompts), tokens, warmup_s)
+    res.update(cache_device_bytes=gen.backend.cache.device_bytes(), cache_host_bytes=gen.backend.cache.host_bytes())
+    return res
 
 
 def _result(prefill_s: float, decode_s: float, batch: int, tokens: list[list[int]], warmup_s: float) -> dict[str, Any]:
@@ -158,14 +163,15 @@ def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats:
     (fullgraph, static shapes), on the same weights, timed token by token through a streamer."""
     from transformers import CompileConfig
 
-    hf = hf_model_like(model)
+    device = next(model.parameters()).device
+    hf = hf_model_like(model).to(device)
     # Its sliding-window layers branch on a Python int length that grows every step: with static
     # shapes that is a recompile a token (and a hard failure under fullgraph), so there dynamo may
     # turn the int symbolic after the first recompile.
     dynamic = None if model.config.sliding_window else False
     compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, mode="default")
     compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=device)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
                   min_new_tokens=new_tokens, cache_implementation="static", compile_config=compile_config,
                   eos_token_id=None, pad_token_id=0)
@@ -210,6 +216,8 @@ def run_bench(
     threads: int | None = None,
     dtype: str = "float32",
     window: int | None = None,
+    offload: bool = False,
+    device: str | None = None,
     on_stage: STAGE = lambda _: None,
 ) -> dict[str, Any]:
     """Benchmark `backends` on one model in one process; returns the JSON-ready report.
@@ -219,7 +227,13 @@ def run_bench(
     and with a Static cache of `window` positions ("NAME-static", the same attended length, so
     the only difference is the rotating buffer), and "hf" runs transformers' sliding-window
     static cache on the sliding prompts.
+
+    With `offload`, each staticrt backend runs with a Static cache ("NAME-static") and an
+    OffloadedStatic one ("NAME-offloaded") on the same prompts. `device` defaults to CUDA where
+    there is one.
     """
+    if window is not None and offload:
+        raise BenchError("--window and --offload compare different things; run them one at a time")
     if window is not None and prompt_len < window:
         raise BenchError(
             f"prompt_len {prompt_len} is shorter than window {window}; the sliding benchmark decodes past the "
@@ -233,18 +247,22 @@ def run_bench(
     if threads:
         torch.set_num_threads(threads)
     torch_dtype = resolve_dtype(dtype)
-    model = load_model(model_name, dtype=torch_dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_name, dtype=torch_dtype, device=device)
     if window is not None:
         with_sliding_window(model, window)
     config = model.config
     prompts = bench_prompts(config.vocab_size, batch_size, prompt_len)
     on_stage("measuring matrix-vector streaming rate")
-    stream_bps = matvec_bytes_per_s(torch_dtype)
+    stream_bps = matvec_bytes_per_s(torch_dtype, torch.device(device))
     weight_bytes = weight_bytes_per_step(model, batch_size)
     # label -> (backend, cache, prompts, max_cache_len, positions a decode step attends to)
     runs: dict[str, tuple[str, str, list[list[int]], int | None, int]] = {}
     for name in backends:
-        if window is None:
+        if window is None and offload and name != "hf":
+            for cache in ("static", "offloaded"):
+                runs[f"{name}-{cache}"] = (name, cache, prompts, None, prompt_len + new_tokens)
+        elif window is None:
             runs[name] = (name, "static", prompts, None, prompt_len + new_tokens)
         elif name == "hf":
             runs[name] = (name, "sliding", prompts, None, window)
@@ -274,6 +292,8 @@ def run_bench(
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "window": window,
+        "offload": offload,
+        "device": device,
         "repeats": repeats,
         "machine": {
             "platform": platform.platform(),
@@ -293,15 +313,17 @@ def run_bench(
 
 
 def _ratios(results: dict[str, Any]) -> dict[str, float]:
-    """Decode speedups against transformers and, for sliding runs, the rotating buffer's cost
-    over a Static cache of the same attended length (the goal is at most 1.2)."""
+    """Decode speedups against transformers and, for sliding and offloaded runs, their step cost
+    over a Static cache of the same attended length (the goals: at most 1.2 for the rotating
+    buffer, 1.5 for offloading)."""
     step = {label: res["decode_ms_per_token"] for label, res in results.items()}
     ratios = {}
     for label in step:
         if "hf" in step and label != "hf":
             ratios[f"{label}_decode_speedup_vs_hf"] = step["hf"] / step[label]
-        static = f"{label.removesuffix('-sliding')}-static"
-        if label.endswith("-sliding") and static in step:
+        base, _, variant = label.rpartition("-")
+        if variant in ("sliding", "offloaded") and f"{base}-static" in step:
+            static = f"{base}-static"
             ratios[f"{label}_step_cost_vs_static"] = step[label] / step[static]
     return ratios
 

@@ -21,8 +21,10 @@ examples:
   staticrt run --model ./my-llama --prompt "The capital of France is" --backend compiled
   staticrt bench --model bench-llama --backends eager,compiled,hf --new-tokens 64 --threads 2 --json bench.json
   staticrt bench --backends compiled,hf --window 4096 --prompt-len 4160 --new-tokens 32 --json bench-sliding.json
+  staticrt bench --backends compiled --offload --prompt-len 8192 --new-tokens 32 --json bench-offload.json
   staticrt run --model tiny-mistral --cache sliding --prompt-ids 1,2,3 --max-new-tokens 500
   staticrt inspect --model tiny-gemma2 --cache hybrid --max-cache-len 4096
+  staticrt inspect --model bench-llama --cache offloaded --max-cache-len 8192
 
 A model is a built-in preset ({presets}) or a Hugging Face checkpoint folder
 (config.json + safetensors, tokenizer.json for --prompt).
@@ -48,8 +50,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="auto",
                    help="KV cache: static (every position), sliding (every layer a rotating buffer of the "
                         "window; generation never runs out), hybrid (rotating buffers for sliding-window "
-                        "layers only, as in Gemma2), auto (default: what the model's config implies, static "
-                        "when the window is no shorter than --max-cache-len)")
+                        "layers only, as in Gemma2), offloaded (every layer's K/V in host memory, two layers' "
+                        "worth on the device), offloaded-hybrid (hybrid with the global layers offloaded), "
+                        "auto (default: what the model's config implies, static when the window is no "
+                        "shorter than --max-cache-len)")
     p.add_argument("--max-cache-len", type=int, default=None,
                    help="positions a static layer holds (default: run fits prompt + new tokens; inspect takes "
                         "the model's context, at most 1024; never below the window for sliding and hybrid)")
@@ -103,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give every layer this sliding window and compare, past it, a SlidingWindow cache "
                             "with a Static cache of the window and transformers' sliding-window cache "
                             "(needs --prompt-len >= window)")
+    bench.add_argument("--offload", action="store_true",
+                       help="run each staticrt backend with a Static and an OffloadedStatic cache and report "
+                            "the offloaded step's cost (make --prompt-len long enough that the K/V outweighs "
+                            "the weights)")
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
 
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
@@ -178,7 +187,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         prompts = args.prompt_ids
     max_cache_len = args.max_cache_len or max(len(p) for p in prompts) + args.max_new_tokens
-    if not args.max_cache_len and args.cache in ("sliding", "hybrid"):
+    if not args.max_cache_len and args.cache in ("sliding", "hybrid", "offloaded-hybrid"):
         max_cache_len = max(max_cache_len, args.window or model.config.sliding_window or 0)
     gen = Generator(model, cache=args.cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
                     backend=args.backend, window=args.window)
@@ -207,6 +216,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache_mb(result: dict[str, Any]) -> str:
+    if "cache_device_bytes" not in result:  # transformers' cache is not ours to weigh
+        return "-"
+    return f"{result['cache_device_bytes'] / 1e6:.1f}/{result['cache_host_bytes'] / 1e6:.1f}"
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench, write_report
 
@@ -221,15 +236,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     with console.status("benchmarking") as status:
         report = run_bench(args.model, backends, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
                            batch_size=args.batch_size, repeats=args.repeats, threads=args.threads,
-                           dtype=args.dtype, window=args.window, on_stage=lambda s: status.update(s))
+                           dtype=args.dtype, window=args.window, offload=args.offload, device=args.device,
+                           on_stage=lambda s: status.update(s))
     rows = [[name, r["prompt_len"], r["prefill_ms"], r["decode_ms_per_token"], r["tokens_per_s"],
-             r["kv_bytes_per_step"] / 1e6, 100 * r["streaming_fraction"], 100 * r["streaming_fraction_with_kv"]]
+             r["kv_bytes_per_step"] / 1e6, _cache_mb(r), 100 * r["streaming_fraction"],
+             100 * r["streaming_fraction_with_kv"]]
             for name, r in report["backends"].items()]
-    title = f"{args.model}, batch {args.batch_size}, {report['machine']['torch_threads']} threads"
+    title = f"{args.model}, batch {args.batch_size}, {report['device']}, {report['machine']['torch_threads']} threads"
     if args.window:
         title += f", sliding window {args.window}"
-    console.print(_table(title, ["backend", "prompt", "prefill ms", "ms/token", "tok/s", "K/V MB", "% bound",
-                                 "% bound +K/V"], rows))
+    console.print(_table(title, ["backend", "prompt", "prefill ms", "ms/token", "tok/s", "K/V MB read",
+                                 "cache MB device/host", "% bound", "% bound +K/V"], rows))
     console.print("% bound: weight bytes a decode step reads over the step time, against the streaming rate; "
                   "+K/V adds the cache the step reads", soft_wrap=True)
     console.print(f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
@@ -254,16 +271,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")
     rows = []
     for i, attention in enumerate(config.layer_types):
-        key, _ = cache.layer_buffers(i)
-        rows.append([i, attention, cache.layer_kind(i), "x".join(map(str, key.shape)),
-                     f"{2 * key.numel() * key.element_size():,}"])
+        key, _ = cache.storage_buffers(i)
+        rows.append([i, attention, cache.layer_kind(i), "host" if cache.layer_kind(i) == "offloaded" else "device",
+                     "x".join(map(str, key.shape)), f"{2 * key.numel() * key.element_size():,}"])
     title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"
     if cache.window:
         title += f", window {cache.window}"
-    console.print(_table(title, ["layer", "attention", "cache", "K and V shape [B,H_kv,L,D]", "bytes"], rows))
-    ours, full = cache.device_bytes(), static.device_bytes()
-    console.print(f"cache bytes (K/V and lengths): {ours:,}; a static cache of the same length: {full:,} "
-                  f"({ours / full:.1%} of it)", soft_wrap=True)
+    columns = ["layer", "attention", "cache", "held in", "K and V shape [B,H_kv,L,D]", "bytes"]
+    console.print(_table(title, columns, rows))
+    ours, host, full = cache.device_bytes(), cache.host_bytes(), static.device_bytes()
+    console.print(f"device bytes (K/V{', working buffers' if host else ''} and lengths): {ours:,}; host bytes: "
+                  f"{host:,}; a static cache of the same length holds {full:,} on the device ({ours / full:.1%} "
+                  "of it)", soft_wrap=True)
     return 0
 
 

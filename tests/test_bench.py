@@ -29,3 +29,21 @@ def test_sliding_bench_needs_a_prompt_past_the_window():
             "prompt_len 32 is shorter than window 64; the sliding benchmark decodes past the window, so use "
             "--prompt-len 64 or more")):
         run_bench("tiny-llama", ["eager"], prompt_len=32, window=64)
+
+
+@pytest.mark.filterwarnings("ignore::staticrt.caches.OffloadWarning")
+def test_offload_bench_runs_static_and_offloaded_caches_on_the_same_prompts():
+    report = run_bench("tiny-llama", ["eager"], new_tokens=8, prompt_len=48, repeats=1, offload=True, device="cpu")
+    runs = report["backends"]
+    assert {k: (r["cache"], r["prompt_len"]) for k, r in runs.items()} == {
+        "eager-static": ("static", 48), "eager-offloaded": ("offloaded", 48)}
+    assert report["tokens_agree"] and set(report["ratios"]) == {"eager-offloaded_step_cost_vs_static"}
+    # 56 positions x 2 layers x (K and V) x 2 heads x 16 dims x 4 bytes, plus the 8-byte length
+    assert (runs["eager-static"]["cache_device_bytes"], runs["eager-static"]["cache_host_bytes"]) == (28680, 0)
+    # tiny-llama has two layers: the two working buffers are as large as the whole cache
+    assert (runs["eager-offloaded"]["cache_device_bytes"], runs["eager-offloaded"]["cache_host_bytes"]) == (28680, 28672)
+
+
+def test_offload_and_window_benches_are_separate():
+    with pytest.raises(BenchError, match="^--window and --offload compare different things; run them one at a time$"):
+        run_bench("tiny-llama", ["eager"], prompt_len=64, window=64, offload=True)

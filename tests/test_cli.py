@@ -67,11 +67,24 @@ def test_inspect_prints_each_layer_and_the_total_against_static(capsys):
     err = capsys.readouterr().err
     # tiny-gemma2: 2 KV heads of 16, layer 0 windowed (64 slots), layer 1 global; float32
     assert "tiny-gemma2: hybrid cache, batch 1, max_cache_len 4096, window 64" in err
-    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in err.splitlines() if line.count("│") == 6]
-    assert cells == [["0", "sliding_attention", "sliding", "1x2x64x16", "16,384"],
-                     ["1", "full_attention", "static", "1x2x4096x16", "1,048,576"]]
-    assert ("cache bytes (K/V and lengths): 1,064,968; a static cache of the same length: 2,097,160 "
-            "(50.8% of it)") in err
+    assert inspect_cells(err) == [["0", "sliding_attention", "sliding", "device", "1x2x64x16", "16,384"],
+                                  ["1", "full_attention", "static", "device", "1x2x4096x16", "1,048,576"]]
+    assert ("device bytes (K/V and lengths): 1,064,968; host bytes: 0; a static cache of the same length "
+            "holds 2,097,160 on the device (50.8% of it)") in err
+
+
+def inspect_cells(err: str) -> list[list[str]]:
+    return [[c.strip() for c in line.split("│")[1:-1]] for line in err.splitlines() if line.count("│") == 7]
+
+
+def test_inspect_shows_offloaded_layers_on_the_host_and_two_working_buffers_on_the_device(capsys):
+    assert main(["inspect", "--model", "bench-llama", "--cache", "offloaded", "--max-cache-len", "8192"]) == 0
+    err = capsys.readouterr().err
+    # bench-llama: 8 layers, 2 KV heads of 64, float32: 8 MiB of K and V a layer
+    assert inspect_cells(err) == [[str(i), "full_attention", "offloaded", "host", "1x2x8192x64", "8,388,608"]
+                                  for i in range(8)]
+    assert ("device bytes (K/V, working buffers and lengths): 16,777,224; host bytes: 67,108,864; a static "
+            "cache of the same length holds 67,108,872 on the device (25.0% of it)") in err
 
 
 def test_inspect_refuses_a_cache_the_model_cannot_use(capsys):
