@@ -83,6 +83,23 @@ def default_buckets(max_cache_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(sizes) + (max_cache_len,)
 
 
+def check_positions(
+    write_index: Sequence[int], steps: int, limit: int | None, kind: str, error: type[Exception] = GenerationError
+) -> None:
+    """Refuse, on the host and before anything runs, a step of `steps` tokens per row at
+    `write_index` that would write past position `limit - 1` of a `kind` cache (None: no limit).
+    A compiled graph or an exported program cannot raise on data, so every backend checks here."""
+    if limit is None:
+        return
+    for row, start in enumerate(write_index):
+        if int(start) + steps > limit:
+            raise error(
+                f"row {row} writes positions {int(start)}..{int(start) + steps - 1}, but this {kind} "
+                f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); build it with a larger "
+                "max_cache_len"
+            )
+
+
 def validate_request(
     backend: StepBackend, prompts: Any, max_new_tokens: int, sampling: SamplingParams
 ) -> list[list[int]]:

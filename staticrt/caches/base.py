@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..generate import check_positions
 from ..ops import cache_write
 
 
@@ -180,16 +181,7 @@ class KVCache(nn.Module, ABC):
     def check_step(self, write_index: Sequence[int], steps: int) -> None:
         """Refuse, on the host and before anything runs, a step of `steps` tokens per row at
         `write_index` that would write past a linear layer (a compiled graph cannot raise on data)."""
-        limit = self.max_sequence_len
-        if limit is None:
-            return
-        for row, start in enumerate(write_index):
-            if int(start) + steps > limit:
-                raise CacheError(
-                    f"row {row} writes positions {int(start)}..{int(start) + steps - 1}, but this {self.kind} "
-                    f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); build it with a larger "
-                    "max_cache_len"
-                )
+        check_positions(write_index, steps, self.max_sequence_len, self.kind, CacheError)
 
     def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
         """Record each row's length after this step (`write_index + num_new`, both `[B]`)."""
