@@ -28,6 +28,8 @@ _EXPORTS = {
     "OffloadedHybridCache": "staticrt.caches",
     "OffloadWarning": "staticrt.caches",
     "build_cache": "staticrt.caches",
+    "load_artifact": "staticrt.artifact",
+    "ArtifactError": "staticrt.artifact",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -121,8 +121,7 @@ def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.floa
     # The RoPE table is not in the checkpoint; the meta placeholder is replaced by the real one.
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim)
     model = model.to(device)
-    tokenizer_file = folder / "tokenizer.json"
-    model.tokenizer = _load_tokenizer(tokenizer_file) if tokenizer_file.is_file() else None
+    model.tokenizer = load_tokenizer(folder / "tokenizer.json")
     model.source = str(folder)
     return _ready(model)
 
@@ -135,7 +134,8 @@ def _ready(model: Decoder) -> Decoder:
     return model
 
 
-def _load_tokenizer(path: Path):  # -> tokenizers.Tokenizer
+def load_tokenizer(path: Path):  # -> tokenizers.Tokenizer | None
+    """The tokenizer in `path` (a tokenizer.json), or None where there is none."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    return Tokenizer.from_file(str(path)) if path.is_file() else None

@@ -1,4 +1,4 @@
-"""staticrt command line: demo | run | bench | inspect."""
+"""staticrt command line: demo | run | export | bench | inspect."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ examples:
   staticrt bench --model bench-llama --backends eager,compiled,hf --new-tokens 64 --threads 2 --json bench.json
   staticrt bench --backends compiled,hf --window 4096 --prompt-len 4160 --new-tokens 32 --json bench-sliding.json
   staticrt bench --backends compiled --offload --prompt-len 8192 --new-tokens 32 --json bench-offload.json
+  staticrt export export/tiny-llama.toml && staticrt bench --cold-start artifacts/tiny-llama --json bench-cold.json
   staticrt run --model tiny-mistral --cache sliding --prompt-ids 1,2,3 --max-new-tokens 500
   staticrt inspect --model tiny-gemma2 --cache hybrid --max-cache-len 4096
   staticrt inspect --model bench-llama --cache offloaded --max-cache-len 8192
@@ -44,8 +45,8 @@ def _prompt_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name or Hugging Face checkpoint folder")
+def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", required=required, help="preset name or Hugging Face checkpoint folder")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     p.add_argument("--cache", default="auto",
                    help="KV cache: static (every position), sliding (every layer a rotating buffer of the "
@@ -76,12 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="generate from a prompt", formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog="Tokens stream to stdout as they are chosen; --json prints one object at the end.")
-    _add_model_args(run)
+    run.add_argument("artifact", nargs="?", type=Path,
+                     help="an artifact folder from `staticrt export` (instead of --model): runs its programs")
+    run.add_argument("--format", default=None, choices=("aoti", "pt2"),
+                     help="with an artifact: AOTInductor packages (default) or the torch.export programs")
+    _add_model_args(run, required=False)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt-ids", type=_prompt_ids, action="append",
                      help="token ids of one row, comma-separated; repeat for a batch")
     run.add_argument("--max-new-tokens", type=int, default=32)
+    _add_export_parser(sub)
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     run.add_argument("--backend", default="eager", help="eager | compiled (default eager)")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
@@ -112,12 +118,70 @@ def build_parser() -> argparse.ArgumentParser:
                             "the offloaded step's cost (make --prompt-len long enough that the K/V outweighs "
                             "the weights)")
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument("--cold-start", type=Path, default=None, metavar="ARTIFACT",
+                       help="instead: time from a fresh process to the first token with this artifact's AOTInductor "
+                            "and pt2 programs, against the compiled backend on the same model (which compiles)")
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
 
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
     _add_model_args(inspect)
     inspect.add_argument("--batch-size", type=int, default=1)
     return parser
+
+
+def _add_export_parser(sub: Any) -> None:
+    export = sub.add_parser(
+        "export", help="export a model with its cache to an artifact folder",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  staticrt export export/tiny-mistral.toml          # writes artifacts/tiny-mistral/\n"
+               "  staticrt export --model ./my-llama --cache static --batch-size 1 --max-cache-len 2048 \\\n"
+               "      --prefill-buckets 128,512 --out artifacts/my-llama\n"
+               "  staticrt run artifacts/tiny-mistral --prompt-ids 1,2,3 --json")
+    export.add_argument("recipe", nargs="?", type=Path, help="a recipe, export/NAME.toml (writes artifacts/NAME/)")
+    _add_model_args(export, required=False)
+    export.add_argument("--batch-size", type=int, default=1)
+    export.add_argument("--prefill-buckets", type=_prompt_ids, default=None,
+                        help="prompt widths to export a prefill program for, comma-separated (default: max-cache-len)")
+    export.add_argument("--format", default="aoti,pt2", help="comma-separated: aoti, pt2 (default both)")
+    export.add_argument("--out", type=Path, default=None, help="artifact folder (default artifacts/RECIPE_NAME)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .caches import CacheSpec
+    from .checkpoint import load_model
+    from .exporters.torch_export import export_torch
+    from .recipe import Recipe, read_recipe
+
+    if args.recipe is not None:
+        recipe = read_recipe(args.recipe)
+    elif args.model and args.out:
+        max_cache_len = args.max_cache_len or 1024
+        recipe = Recipe(name=args.out.name, model=args.model, cache=args.cache, batch_size=args.batch_size,
+                        max_cache_len=max_cache_len, prefill_buckets=tuple(args.prefill_buckets or (max_cache_len,)),
+                        formats=tuple(f.strip() for f in args.format.split(",") if f.strip()), dtype=args.dtype,
+                        window=args.window)
+    else:
+        raise SystemExit("staticrt export: give a recipe (export/NAME.toml), or --model and --out")
+    out = args.out or Path("artifacts") / recipe.name
+    model = load_model(recipe.model, dtype=recipe.dtype)
+
+    def copy_tokenizer(folder: Path) -> None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            source = Path(recipe.model) / name
+            if source.is_file():
+                (folder / name).write_bytes(source.read_bytes())
+
+    def stage(what: str, seconds: float) -> None:
+        console.print(f"  [green]done[/] {what} ({seconds:.1f} s)")
+
+    console.print(f"exporting {recipe.model} ({recipe.cache} cache, batch {recipe.batch_size}, max_cache_len "
+                  f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}) to {out}")
+    start = time.perf_counter()
+    with console.status("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
+        export_torch(model, CacheSpec(recipe.cache, recipe.batch_size, recipe.max_cache_len, recipe.window),
+                     recipe.prefill_buckets, out, recipe.formats, {"recipe": recipe.to_dict()}, stage, copy_tokenizer)
+    console.print(f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3")
+    return 0
 
 
 def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
@@ -165,32 +229,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop_ids(args: argparse.Namespace, model: Any) -> list[int]:
-    return list(args.stop_ids) if args.stop_ids is not None else list(model.config.eos_token_ids)
+def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    if args.prompt is None:
+        return args.prompt_ids
+    if tokenizer is None:
+        raise SystemExit(f"staticrt run: --prompt needs a tokenizer.json in {args.artifact or args.model}, which has "
+                         "none; pass token ids with --prompt-ids 1,2,3 instead")
+    return [tokenizer.encode(args.prompt).ids]
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    import torch
+def _artifact_run(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[list[int]]]:
+    from .artifact import load_artifact
+    from .checkpoint import load_tokenizer
 
+    if args.model:
+        raise SystemExit("staticrt run: give an artifact folder or --model, not both")
+    gen = load_artifact(args.artifact, format=args.format)
+    tokenizer = load_tokenizer(args.artifact / "tokenizer.json")
+    eos_ids = list(gen.backend.manifest["model"]["config"].get("eos_token_ids", []))
+    return gen, tokenizer, eos_ids, _prompts(args, tokenizer)
+
+
+def _model_run(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[list[int]]]:
+    """A model bound to a cache sized for the request."""
     from .checkpoint import load_model
     from .generate import Generator
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if not args.model:
+        raise SystemExit("staticrt run: say what to run: --model PRESET_OR_FOLDER, or an artifact folder")
     model = load_model(args.model, dtype=args.dtype)
-    tokenizer = model.tokenizer
-    if args.prompt is not None:
-        if tokenizer is None:
-            raise SystemExit(f"staticrt run: --prompt needs a tokenizer.json in the model folder and {args.model} "
-                             "has none; pass token ids with --prompt-ids 1,2,3 instead")
-        prompts = [tokenizer.encode(args.prompt).ids]
-    else:
-        prompts = args.prompt_ids
+    prompts = _prompts(args, model.tokenizer)
     max_cache_len = args.max_cache_len or max(len(p) for p in prompts) + args.max_new_tokens
     if not args.max_cache_len and args.cache in ("sliding", "hybrid", "offloaded-hybrid"):
         max_cache_len = max(max_cache_len, args.window or model.config.sliding_window or 0)
     gen = Generator(model, cache=args.cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
                     backend=args.backend, window=args.window)
+    return gen, model.tokenizer, list(model.config.eos_token_ids), prompts
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen, tokenizer, eos_ids, prompts = (_artifact_run if args.artifact is not None else _model_run)(args)
 
     def stream(row: int, token: int) -> None:
         if args.json:
@@ -201,10 +283,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     tokens = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          stop_token_ids=_stop_ids(args, model), stream=stream)
+                          stop_token_ids=list(args.stop_ids) if args.stop_ids is not None else eos_ids,
+                          stream=stream)
     stats = gen.last_stats
     if args.json:
-        out: dict[str, Any] = {"tokens": tokens, "backend": args.backend, "cache": gen.backend.cache.kind,
+        cache = gen.backend.kind if args.artifact else gen.backend.cache.kind
+        out: dict[str, Any] = {"tokens": tokens, "backend": gen.backend.name, "cache": cache,
                                "prefill_ms": 1000 * stats.prefill_s,
                                "decode_ms_per_token": stats.decode_ms_per_token}
         if tokenizer is not None:
@@ -222,9 +306,27 @@ def _cache_mb(result: dict[str, Any]) -> str:
     return f"{result['cache_device_bytes'] / 1e6:.1f}/{result['cache_host_bytes'] / 1e6:.1f}"
 
 
+def _bench_cold_start(args: argparse.Namespace) -> int:
+    from .bench import cold_start, write_report
+
+    with console.status("cold starts") as status:
+        report = cold_start(args.cold_start, ("aoti", "pt2"), on_stage=lambda s: status.update(s))
+    rows = [[label.removesuffix("_s"), value] for label, value in report.items()
+            if label.endswith("_s") and label != "isa_probe_s"]
+    console.print(_table(f"{args.cold_start}: fresh process to first token", ["programs", "seconds"], rows))
+    console.print(f"compiled / aoti: {report['compiled_over_aoti']:.1f}x (after a one-time CPU-ISA probe of "
+                  f"{report['isa_probe_s']:.1f} s that every inductor user pays once a machine)")
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench, write_report
 
+    if args.cold_start is not None:
+        return _bench_cold_start(args)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "hf" in backends:
         try:
@@ -286,11 +388,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"demo": cmd_demo, "run": cmd_run, "bench": cmd_bench, "inspect": cmd_inspect}
+COMMANDS = {"demo": cmd_demo, "run": cmd_run, "export": cmd_export, "bench": cmd_bench, "inspect": cmd_inspect}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .artifact import ArtifactError
     from .bench import BenchError
     from .caches import CacheError
     from .checkpoint import CheckpointError
@@ -299,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return COMMANDS[args.command](args)
-    except (GenerationError, CheckpointError, ConfigError, CacheError, BenchError) as err:
+    except (GenerationError, CheckpointError, ConfigError, CacheError, BenchError, ArtifactError) as err:
         console.print(f"staticrt {args.command}: {err}", style="red", markup=False, soft_wrap=True)
         return 2
 

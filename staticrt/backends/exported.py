@@ -1,0 +1,135 @@
+"""Exported backend: runs an artifact's torch programs through the one generation loop.
+
+Format "aoti" loads AOTInductor packages (no model source, no compile at load); format "pt2" runs
+the torch.export programs. Either way every program gets the same tensors for every constant
+(weights read once from weights.safetensors, in the strides they were traced with; cache
+buffers allocated here once), so prefill fills the cache that decode reads, in place.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..artifact import ArtifactError, read_manifest
+from ..generate import GenerationError, SamplingParams, check_positions
+
+Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def load_constants(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Every constant the programs name: the weights in their traced strides, zeroed cache state."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / manifest["weights"]))
+    constants = {}
+    for name, layout in manifest["constants"].items():
+        tensor = torch.empty_strided(layout["shape"], layout["strides"], dtype=_dtype(layout["dtype"]))
+        if name in weights:
+            tensor.copy_(weights[name])
+        elif name.startswith("cache."):
+            tensor.zero_()
+        else:
+            raise ArtifactError(f"{folder / manifest['weights']} lacks constant {name}; re-export the artifact")
+        constants[name] = tensor
+    return constants
+
+
+def _aoti_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
+    """The package's compiled model, run by torch's AOTInductor runner directly: the package
+    loader would import inductor and probe the CPU's vector ISA by compiling test programs (~2 s
+    and ~20 s on a 2-core machine, once a process and once a machine), which is most of a cold
+    start. The ISA was recorded at export and checked by `ExportedBackend` instead."""
+    with zipfile.ZipFile(path) as archive, tempfile.TemporaryDirectory() as scratch:
+        libraries = [n for n in archive.namelist() if n.endswith(".so") and "/aotinductor/" in n]
+        if len(libraries) != 1:
+            raise ArtifactError(f"{path} holds {len(libraries)} compiled models, expected 1; re-export the artifact")
+        # dlopen maps the library; the extracted file may go once it is loaded.
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(archive.extract(libraries[0], scratch), 1)
+    names = runner.get_constant_names_to_original_fqns()  # runner's constant name -> program fqn
+    missing = [fqn for fqn in names.values() if fqn not in constants]
+    if missing:
+        raise ArtifactError(f"{path} needs constants {missing[:3]} that manifest.json does not list; re-export")
+    # user_managed: the runner keeps these very tensors (no copy), shared with every other program.
+    runner.update_constant_buffer({name: constants[fqn] for name, fqn in names.items()}, False, True, True)
+    return lambda *inputs: runner.run(list(inputs))[0]
+
+
+def _pt2_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
+    module = torch.export.load(str(path)).module()
+    for name, tensor in constants.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        slot = owner._parameters if leaf in owner._parameters else owner._buffers
+        if leaf in slot:  # parameters and buffers alike: the shared tensor replaces the program's copy
+            slot[leaf] = tensor
+    return module
+
+
+class ExportedBackend:
+    """A `StepBackend` over an artifact folder written by `staticrt export`."""
+
+    name = "exported"
+
+    def __init__(self, folder: str | Path, format: str = "aoti", manifest: dict[str, Any] | None = None) -> None:
+        folder = Path(folder)
+        manifest = manifest or read_manifest(folder)
+        if format not in ("aoti", "pt2") or format not in manifest["formats"]:
+            raise ArtifactError(
+                f"{folder} holds format(s) {', '.join(manifest['formats'])}, not {format!r}; pick one of those or "
+                f"re-export with --format {format}"
+            )
+        if manifest.get("device", "cpu") != "cpu":
+            raise ArtifactError(f"{folder} was exported for {manifest['device']}; this backend runs CPU artifacts")
+        capability = torch.backends.cpu.get_cpu_capability()
+        if format == "aoti" and manifest.get("cpu_capability") != capability:
+            raise ArtifactError(
+                f"{folder / 'manifest.json'}: field cpu_capability is {manifest.get('cpu_capability')!r}, this CPU "
+                f"offers {capability!r}; the compiled code may not run here: use --format pt2 or re-export here"
+            )
+        self.constants = load_constants(folder, manifest)
+        load = _aoti_program if format == "aoti" else _pt2_program
+        self.programs = {name: load(folder / format / f"{name}.pt2", self.constants) for name in manifest["programs"]}
+        self.cache_state = [t for name, t in self.constants.items() if name.startswith("cache.")]
+        cache = manifest["cache"]
+        self.name = f"exported-{format}"
+        self.kind = cache["kind"]
+        self.batch_size = cache["max_batch_size"]
+        self.max_cache_len = cache["max_cache_len"]
+        self.max_sequence_len = cache["max_sequence_len"]
+        self.vocab_size = manifest["model"]["config"]["vocab_size"]
+        self.buckets = tuple(manifest["prefill_buckets"])
+        self.manifest = manifest
+
+    def reset(self) -> None:
+        for tensor in self.cache_state:
+            tensor.zero_()
+
+    def step(
+        self,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams,
+        uniforms: np.ndarray | None,
+    ) -> np.ndarray:
+        if uniforms is not None:
+            raise GenerationError(
+                "this artifact's programs choose tokens greedily; sampling runs on the eager, compiled and onnx "
+                "backends (pass do_sample=False here)"
+            )
+        steps = input_ids.shape[1]
+        check_positions(write_index, steps, self.max_sequence_len, self.kind)
+        program = self.programs["decode" if steps == 1 else f"prefill_{steps}"]
+        with torch.no_grad():
+            next_ids = program(torch.from_numpy(input_ids), torch.from_numpy(write_index), torch.from_numpy(num_new))
+        return next_ids.numpy()  # [B]

@@ -1,0 +1,1 @@
+"""Exporters: a model and its cache -> an artifact folder (see artifact.py)."""

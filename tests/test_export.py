@@ -1,0 +1,161 @@
+"""Artifacts from the shipped recipes (export/*.toml): exported through the CLI, loaded with no
+model code, token for token equal to the eager backend; the cache mutated in place; manifests
+and hashes enforced; an interrupted export leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import staticrt
+from staticrt.artifact import ArtifactError, load_artifact
+from staticrt.caches import CacheSpec
+from staticrt.cli import main
+from staticrt.exporters.torch_export import export_torch
+from staticrt.generate import GenerationError
+from staticrt.recipe import read_recipe
+
+RECIPES = Path(__file__).parent.parent / "export"
+NAMES = ("tiny-llama", "tiny-mistral", "tiny-gemma2")  # static, sliding, hybrid
+LENGTHS = (40, 5, 23)  # with 64 new tokens the longest row reaches position 103, past the window of 64
+NEW_TOKENS = 64
+VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
+         "select", "alias", "t", "as_strided"}
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 512, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("artifacts")
+    for name in NAMES:
+        assert main(["export", str(RECIPES / f"{name}.toml"), "--out", str(root / name)]) == 0
+    return {name: root / name for name in NAMES}
+
+
+def eager_tokens(name: str) -> list[list[int]]:
+    recipe = read_recipe(RECIPES / f"{name}.toml")
+    model = staticrt.load_model(recipe.model, dtype=recipe.dtype)
+    gen = staticrt.Generator(model, cache=recipe.cache, max_batch_size=recipe.batch_size,
+                             max_cache_len=recipe.max_cache_len, window=recipe.window,
+                             prefill_buckets=recipe.prefill_buckets)
+    return gen.generate(prompts(), max_new_tokens=NEW_TOKENS)
+
+
+@pytest.mark.parametrize("fmt", ["aoti", "pt2"])
+@pytest.mark.parametrize("name", NAMES)
+def test_artifact_tokens_equal_the_eager_backend(artifacts, name, fmt):
+    gen = load_artifact(artifacts[name], format=fmt)
+    manifest = gen.backend.manifest
+    assert (manifest["cache"]["kind"], manifest["formats"], manifest["prefill_buckets"]) == (
+        {"tiny-llama": "static", "tiny-mistral": "sliding", "tiny-gemma2": "hybrid"}[name], ["aoti", "pt2"], [64])
+    key = gen.backend.constants["cache.key_0"]
+    address = key.data_ptr()
+    assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == eager_tokens(name)
+    # Every program wrote the one cache tensor the loader handed out, in place.
+    assert key.data_ptr() == address and key.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_program_mutates_each_cache_buffer_in_place_and_copies_none(artifacts, name):
+    """Walk the decode program after functionalisation (what AOTInductor compiles). The export
+    records each cache K/V buffer as a buffer mutation, produced by one scatter (`index_put`) of
+    the step's entries; any other op whose result is as large as a cache buffer and is not a view
+    (a clone, a copy, a cat, a where over the buffer) would be a per-step copy of it, and fails."""
+    program = torch.export.load(str(artifacts[name] / "pt2" / "decode.pt2")).run_decompositions({})
+    manifest = json.loads((artifacts[name] / "manifest.json").read_text())
+    cache_buffers = {n: c for n, c in manifest["constants"].items() if re.fullmatch(r"cache\.(key|value)_\d+", n)}
+    mutated = program.graph_signature.buffers_to_mutate  # output node name -> buffer
+    assert sorted(v for v in mutated.values() if v in cache_buffers) == sorted(cache_buffers)
+    sizes = {torch.Size(c["shape"]).numel() for c in cache_buffers.values()}
+    scatters, copies = [], []
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor) or value.numel() not in sizes:
+            continue
+        op = node.target._opname if hasattr(node.target, "_opname") else str(node.target)
+        if op in VIEWS:
+            continue
+        (scatters if op == "index_put" and node.name in mutated else copies).append(f"{node.name} ({op})")
+    assert copies == []
+    assert len(scatters) == len(cache_buffers)
+
+
+def copy_artifact(artifacts, tmp_path) -> Path:
+    return Path(shutil.copytree(artifacts["tiny-llama"], tmp_path / "copy"))
+
+
+def test_a_corrupted_program_file_is_refused_by_name(artifacts, tmp_path):
+    folder = copy_artifact(artifacts, tmp_path)
+    program = folder / "aoti" / "decode.pt2"
+    data = bytearray(program.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    program.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError) as err:
+        load_artifact(folder)
+    assert str(err.value) == (f"{program} does not match the sha256 in manifest.json (changed or corrupted since "
+                              "export); re-export the artifact")
+
+
+def test_another_schema_version_is_refused_by_field(artifacts, tmp_path):
+    folder = copy_artifact(artifacts, tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError) as err:
+        load_artifact(folder)
+    assert str(err.value) == (f"{folder / 'manifest.json'}: field schema_version is 99, this staticrt reads "
+                              "schema_version 1; re-export the artifact with this staticrt")
+
+
+def test_cli_runs_an_artifact_and_refuses_sampling_it_cannot_do(artifacts, capsys):
+    ids = ",".join(map(str, prompts()[0]))
+    assert main(["run", str(artifacts["tiny-mistral"]), "--prompt-ids", ids, "--max-new-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "exported-aoti" and out["cache"] == "sliding"
+    assert out["tokens"] == [load_artifact(artifacts["tiny-mistral"], "pt2").generate([prompts()[0]], 8)[0]]
+    with pytest.raises(GenerationError, match="^this artifact's programs choose tokens greedily"):
+        load_artifact(artifacts["tiny-mistral"]).generate([[1, 2]], max_new_tokens=2, do_sample=True, seed=0)
+
+
+def test_an_export_interrupted_in_its_last_stage_leaves_no_folder(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    model = staticrt.load_model("tiny-llama")
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_torch(model, CacheSpec("static", 1, 32), [16], tmp_path / "tiny", formats=["pt2"])
+    assert list(tmp_path.iterdir()) == []  # neither the artifact nor a temporary folder
+
+
+def test_cold_start_bench_times_fresh_processes_for_every_program_kind(artifacts, tmp_path):
+    out = tmp_path / "cold.json"
+    assert main(["bench", "--cold-start", str(artifacts["tiny-llama"]), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"artifact", "cache", "model", "isa_probe_s", "aoti_s", "pt2_s", "compiled_s",
+                           "compiled_over_aoti", "compiled_over_pt2"}
+    assert (report["cache"], report["model"]) == ("static", "tiny-llama")
+    assert report["compiled_over_aoti"] == report["compiled_s"] / report["aoti_s"]
+
+
+def test_an_artifact_for_another_cpu_is_refused_for_aoti(artifacts, tmp_path):
+    folder = copy_artifact(artifacts, tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["cpu_capability"] = "AVX1024"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"field cpu_capability is 'AVX1024', this CPU offers '\w+'; the compiled "
+                                            r"code may not run here: use --format pt2 or re-export here$"):
+        load_artifact(folder)
+    assert load_artifact(folder, format="pt2").generate([[1, 2, 3]], max_new_tokens=4) == load_artifact(
+        artifacts["tiny-llama"]).generate([[1, 2, 3]], max_new_tokens=4)
