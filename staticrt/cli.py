@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -197,19 +199,31 @@ def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) ->
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
+    from .artifact import load_artifact
     from .backends import BACKENDS
+    from .caches import CacheSpec
     from .checkpoint import load_model
+    from .exporters.torch_export import export_torch
     from .generate import Generator
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     model = load_model(args.model)
     prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 4, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
     console.print(f"[bold]staticrt demo[/] on {args.model}: {len(prompts)} prompts, {args.new_tokens} new tokens each")
+    scratch = tempfile.TemporaryDirectory()
+
+    def exported() -> Any:  # torch.export programs (AOTInductor packages take a minute to build: `staticrt export`)
+        spec = CacheSpec("static", len(prompts), 64)
+        return load_artifact(export_torch(model, spec, [16], Path(scratch.name) / "demo", ["pt2"]), format="pt2")
+
+    makers = {name: partial(Generator, model, max_batch_size=len(prompts), max_cache_len=64, backend=name)
+              for name in BACKENDS}
+    makers["exported-pt2"] = exported
     results, rows = {}, []
-    for name in BACKENDS:
-        gen = Generator(model, max_batch_size=len(prompts), max_cache_len=64, backend=name)
-        with console.status(f"{name}: first run (compiles where the backend compiles)"):
+    for name, make in makers.items():
+        with console.status(f"{name}: first run (compiles or exports where the backend does)"):
             start = time.perf_counter()
+            gen = make()
             gen.generate(prompts, max_new_tokens=args.new_tokens)
             first = time.perf_counter() - start
         results[name] = gen.generate(prompts, max_new_tokens=args.new_tokens)
