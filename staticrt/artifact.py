@@ -24,6 +24,11 @@ MANIFEST = "manifest.json"
 REQUIRED_FIELDS = ("schema_version", "versions", "model", "cache", "formats", "programs", "files")
 
 
+def program_name(steps: int) -> str:
+    """The name of the program that runs a step of `steps` tokens a row: `decode` or `prefill_N`."""
+    return "decode" if steps == 1 else f"prefill_{steps}"
+
+
 class ArtifactError(ValueError):
     """An artifact that cannot be written or loaded as asked; names the file or field and the fix."""
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..artifact import ArtifactError, read_manifest
+from ..artifact import ArtifactError, program_name, read_manifest
 from ..generate import GenerationError, SamplingParams, check_positions
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -129,7 +129,7 @@ class ExportedBackend:
             )
         steps = input_ids.shape[1]
         check_positions(write_index, steps, self.max_sequence_len, self.kind)
-        program = self.programs["decode" if steps == 1 else f"prefill_{steps}"]
+        program = self.programs[program_name(steps)]
         with torch.no_grad():
             next_ids = program(torch.from_numpy(input_ids), torch.from_numpy(write_index), torch.from_numpy(num_new))
         return next_ids.numpy()  # [B]

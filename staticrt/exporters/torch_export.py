@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .. import __version__
-from ..artifact import ArtifactError, write_artifact
+from ..artifact import ArtifactError, program_name, write_artifact
 from ..caches import KVCache, build_cache
 from ..caches.base import CacheSpec
 from ..model import Decoder
@@ -46,10 +46,6 @@ class StepProgram(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor) -> torch.Tensor:
         return greedy(self.model(input_ids, write_index, self.cache, num_new))
-
-
-def program_name(steps: int) -> str:
-    return "decode" if steps == 1 else f"prefill_{steps}"
 
 
 def example_inputs(batch: int, steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -81,15 +77,18 @@ def export_programs(step: StepProgram, batch: int, buckets: Sequence[int]) -> di
     return programs
 
 
-def constant_layouts(step: StepProgram) -> dict[str, dict[str, Any]]:
-    """Shape, dtype and strides of every weight and cache buffer by the name programs use. Strides
-    matter: the CPU model keeps its weights column-major (model.use_column_major_weights) and the
-    compiled code indexes them that way, so the loader must hand them back in the same layout."""
-    named = dict(step.named_parameters()) | dict(step.named_buffers())
+def program_constants(step: StepProgram) -> dict[str, torch.Tensor]:
+    """Every weight (`model.*`) and cache buffer (`cache.*`) by the name programs use."""
+    return dict(step.named_parameters()) | dict(step.named_buffers())
+
+
+def constant_layouts(constants: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Shape, dtype and strides of every constant. Strides matter: the CPU model keeps its weights
+    column-major (model.use_column_major_weights) and the compiled code indexes them that way, so
+    the loader must hand them back in the same layout."""
     return {
         name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "strides": list(t.stride())}
-        for name, t in named.items()
-        if name.startswith(("model.", "cache."))
+        for name, t in constants.items()
     }
 
 
@@ -119,6 +118,7 @@ def export_torch(
     param = next(model.parameters())
     cache = build_cache(model.config, spec, param.dtype, param.device)
     step = StepProgram(model, cache).eval()
+    constants = program_constants(step)
     if any(b > cache.spec.max_cache_len for b in buckets):
         raise ArtifactError(f"prefill buckets {list(buckets)} must not exceed max_cache_len {cache.spec.max_cache_len}")
     batch = cache.spec.max_batch_size
@@ -145,7 +145,7 @@ def export_torch(
                 timed(f"lower and compile {name} (AOTInductor)", lambda: aoti_compile_and_package(
                     ep, package_path=str(folder / "aoti" / f"{name}.pt2"),
                     inductor_configs={"aot_inductor.package_constants_in_so": False}))
-        weights = {f"model.{k}": v.contiguous() for k, v in (dict(model.named_parameters()) | dict(model.named_buffers())).items()}
+        weights = {k: v.contiguous() for k, v in constants.items() if k.startswith("model.")}
         timed("write weights", lambda: save_file(weights, str(folder / WEIGHTS)))
         extra_files(folder)
         return {
@@ -162,7 +162,7 @@ def export_torch(
             "prefill_buckets": sorted(set(buckets)),
             "formats": list(formats),
             "programs": {program_name(s): io_spec(batch, s) for s in sorted({1, *buckets})},
-            "constants": constant_layouts(step),
+            "constants": constant_layouts(constants),
             "weights": WEIGHTS,
             **(fields or {}),
         }
