@@ -109,7 +109,7 @@ class Attention(nn.Module):
         out = probs[..., :held] @ values  # [B, Hkv, G*T, D]
         if not write_first:
             out = out + probs[..., held:] @ v
-            cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
+            cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
         out = out.view(batch, heads, steps, dim).transpose(1, 2).reshape(batch, steps, heads * dim)
         return self.o_proj(out)
 
@@ -151,9 +151,9 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
 
     def step_metadata(
-        self, cache: KVCache, write_index: torch.Tensor, num_new: torch.Tensor, steps: int, dtype: torch.dtype
+        self, cache: KVCache, write_index: torch.Tensor, num_new: torch.Tensor, positions: torch.Tensor,
+        dtype: torch.dtype,
     ) -> StepMetadata:
-        positions = write_index[:, None] + torch.arange(steps, device=write_index.device)  # [B, T]
         cos, sin = rope_tables(positions, self.inv_freq, dtype)
         cache.begin_step(write_index, num_new)
         masks = cache.attention_masks(positions)
@@ -166,19 +166,24 @@ class Decoder(nn.Module):
         cache: KVCache,
         num_new: torch.Tensor | None = None,
         last_only: bool = True,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run `input_ids [B, T]` at positions `write_index[b] + t`, writing the cache in place.
 
         `num_new [B]` counts each row's real tokens (the rest is right padding; default T). Returns
         logits `[B, V]` at each row's last real token, or `[B, T, V]` with `last_only=False`.
+        `positions [B, T]` overrides the RoPE positions where slots and positions differ (the ONNX
+        graphs' padded rows, exporters/onnx_export.py).
         """
         batch, steps = input_ids.shape
         if num_new is None:
             num_new = torch.full((batch,), steps, dtype=torch.int64, device=input_ids.device)
+        if positions is None:
+            positions = write_index[:, None] + torch.arange(steps, device=input_ids.device)  # [B, T]
         x = self.embed_tokens(input_ids)  # [B, T, C]
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        meta = self.step_metadata(cache, write_index, num_new, steps, x.dtype)
+        meta = self.step_metadata(cache, write_index, num_new, positions, x.dtype)
         for layer in self.layers:
             x = layer(x, meta, cache)
         if last_only:

@@ -22,3 +22,46 @@ def cache_write(buffer: torch.Tensor, new: torch.Tensor, write_index: torch.Tens
         slots = torch.remainder(slots, buffer.shape[2])
     # Advanced indices on dims 0 and 2 with a slice between put the indexed dims first: [B, T, H, D].
     buffer[rows, :, slots] = new.transpose(1, 2)
+
+
+@torch.library.custom_op("staticrt::tensor_scatter", mutates_args=())
+def tensor_scatter(
+    past: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor, circular: bool, after: torch.Tensor | None
+) -> torch.Tensor:
+    """`cache_write` as a function, `present = TensorScatter(past, update, write_indices)`, for
+    programs whose cache is an input and an output (the ONNX graphs) rather than a buffer.
+
+    `after` (or None) is a tensor the write must follow: a runner that binds past and present to
+    one buffer (ONNX Runtime's IOBinding, onnxruntime-genai's shared buffer) overwrites `past` as
+    the write runs, so a step that still reads `past` elsewhere (a rotating layer attending before
+    it writes) passes the result of that read here and the translation makes the write wait for it.
+    """
+    present = past.clone()
+    cache_write(present, update, write_indices, circular)
+    return present
+
+
+@tensor_scatter.register_fake
+def _tensor_scatter_fake(past, update, write_indices, circular, after):  # noqa: ANN001, ANN202
+    return torch.empty_like(past)
+
+
+def onnx_translations() -> dict:
+    """`torch.onnx.export`'s `custom_translation_table` for staticrt's ops: `tensor_scatter` is
+    the standard `TensorScatter` (opset 24) on the sequence axis. Imports onnxscript, so only
+    exporters call it."""
+    import onnx
+    from onnxscript import values
+
+    op = values.Opset("", 24)
+
+    def tensor_scatter_onnx(past, update, write_indices, circular: bool, after=None):  # noqa: ANN001, ANN202
+        if after is not None:
+            # x < x is false for every x (NaN included) but depends on x, and no optimiser folds
+            # it: a zero the write has to wait for.
+            first = op.Slice(op.Reshape(after, op.Constant(value_ints=[-1])), op.Constant(value_ints=[0]),
+                             op.Constant(value_ints=[1]))
+            write_indices = op.Add(write_indices, op.Cast(op.Less(first, first), to=onnx.TensorProto.INT64))
+        return op.TensorScatter(past, update, write_indices, mode="circular" if circular else "linear", axis=2)
+
+    return {torch.ops.staticrt.tensor_scatter.default: tensor_scatter_onnx}

@@ -38,10 +38,6 @@ from ..generate import check_positions
 from ..ops import cache_write
 
 
-def _writes_first(rotating: bool, steps: int) -> bool:
-    return not rotating or steps == 1
-
-
 class CacheError(ValueError):
     """A cache request that cannot be met, naming the input, the limit and the way out."""
 
@@ -194,7 +190,11 @@ class KVCache(nn.Module, ABC):
     def writes_first(self, layer_idx: int, steps: int) -> bool:
         """Whether a step of `steps` tokens writes layer `layer_idx` before attending to it (see
         the module docstring); the order is fixed when the step is traced."""
-        return _writes_first(self.rotating[layer_idx], steps)
+        return self.layout_writes_first(self.rotating[layer_idx], steps)
+
+    def layout_writes_first(self, rotating: bool, steps: int) -> bool:
+        """`writes_first` for a layer of this layout: always for a linear one, in decode for a rotating one."""
+        return not rotating or steps == 1
 
     def attention_masks(self, positions: torch.Tensor) -> dict[tuple[str, bool], torch.Tensor]:
         """Bool per mask key: which slots, and for read-first layers which of the step's T new
@@ -220,7 +220,7 @@ class KVCache(nn.Module, ABC):
         """`[B, T, L]` or `[B, T, L + T]`: the position of every key a layer of this layout
         attends to in a step at `positions [B, T]` (negative for an empty slot)."""
         steps = positions.shape[1]
-        write_first = _writes_first(rotating, steps)
+        write_first = self.layout_writes_first(rotating, steps)
         filled_to = positions[:, 0] + (steps if write_first else 0)  # [B] positions held when attending
         held = self.held_positions(rotating, filled_to)[:, None, :].expand(-1, steps, -1)  # [B, T, L]
         if write_first:
@@ -250,11 +250,14 @@ class KVCache(nn.Module, ABC):
         layer_idx: int,
         write_index: torch.Tensor,
         num_new: torch.Tensor,
+        after: torch.Tensor | None = None,
     ) -> None:
         """Write `key`/`value [B, H_kv, T, D]` in place, before or after attending as
         `writes_first` says.
 
-        `num_new [B]` counts each row's real entries; the rest is right padding.
+        `num_new [B]` counts each row's real entries; the rest is right padding. `after` is the
+        attention output of a step that attends before it writes; these in-place writes follow it
+        anyway (program order), a functional write (`ops.tensor_scatter`) has to be told.
         """
         for buf, new in zip(self.layer_buffers(layer_idx), (key, value)):
             if self.rotating[layer_idx]:

@@ -191,9 +191,10 @@ class OffloadedCache(KVCache):
         layer_idx: int,
         write_index: torch.Tensor,
         num_new: torch.Tensor,
+        after: torch.Tensor | None = None,
     ) -> None:
         """Write into the layer's working slot, and through to its host storage."""
-        super().update(key, value, layer_idx, write_index, num_new)
+        super().update(key, value, layer_idx, write_index, num_new, after)
         if self.rotating[layer_idx]:
             return
         for target, new in zip(self._write_targets[layer_idx], (key, value)):
