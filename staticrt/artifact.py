@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-REQUIRED_FIELDS = ("schema_version", "versions", "model", "cache", "formats", "programs", "files")
+REQUIRED_FIELDS = ("schema_version", "versions", "model", "cache", "formats", "files")
 
 
 def program_name(steps: int) -> str:
@@ -108,13 +108,31 @@ def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
     return manifest
 
 
-def load_artifact(path: str | Path, format: str | None = None) -> Any:
-    """A `Generator` over the artifact in `path`, checked first (manifest, hashes). `format` picks
-    the programs: "aoti" (AOTInductor packages, the default where exported) or "pt2"."""
+ARTIFACT_BACKENDS = ("aoti", "pt2", "onnx")  # in the order a default is picked
+
+
+def load_artifact(path: str | Path, backend: str | None = None, threads: int | None = None) -> Any:
+    """A `Generator` over the artifact in `path`, checked first (manifest, hashes).
+
+    `backend` picks what runs: "aoti" (AOTInductor packages), "pt2" (torch.export programs) or
+    "onnx" (ONNX Runtime; imports neither torch nor the model code); by default the first of those
+    the artifact holds. `threads` sets ONNX Runtime's intra-op threads (torch's are torch's).
+    """
     from .generate import Generator
 
-    manifest = read_manifest(Path(path))
-    format = format or ("aoti" if "aoti" in manifest["formats"] else manifest["formats"][0])
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    held = [b for b in ARTIFACT_BACKENDS if b in manifest["formats"]]
+    backend = backend or (held[0] if held else None)
+    if backend not in held:
+        raise ArtifactError(
+            f"{folder} holds format(s) {', '.join(manifest['formats'])}, not {backend!r}; run it with one of "
+            f"{', '.join(held)} or re-export with --format {backend}"
+        )
+    if backend == "onnx":
+        from .backends.onnx import OnnxBackend
+
+        return Generator(OnnxBackend(folder, manifest, threads=threads))
     from .backends.exported import ExportedBackend
 
-    return Generator(ExportedBackend(path, format, manifest))
+    return Generator(ExportedBackend(folder, backend, manifest))

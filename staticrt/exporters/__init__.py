@@ -1,1 +1,102 @@
-"""Exporters: a model and its cache -> an artifact folder (see artifact.py)."""
+"""Exporters: a model and its cache -> one artifact folder (artifact.py) holding any of the formats
+"aoti" and "pt2" (torch_export.py) and "onnx" (onnx_export.py), with one manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import __version__
+from ..artifact import ArtifactError, write_artifact
+from ..caches import build_cache
+from ..caches.base import CacheSpec
+from ..model import Decoder
+
+FORMATS = ("aoti", "pt2", "onnx")
+EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
+Stage = Callable[[str, float], None]  # (what finished, seconds it took)
+
+
+def export_artifact(
+    model: Decoder,
+    spec: CacheSpec,
+    buckets: Sequence[int],
+    target: Path,
+    formats: Sequence[str] = FORMATS,
+    fields: dict[str, Any] | None = None,
+    on_stage: Stage = lambda what, seconds: None,
+    extra_files: Callable[[Path], None] = lambda folder: None,
+) -> Path:
+    """Export `model` with a cache of `spec` to the artifact folder `target` (atomically).
+
+    `buckets` are the prompt widths of the torch prefill programs (the ONNX graph takes any).
+    `fields` are merged into the manifest (e.g. the recipe); `extra_files(folder)` may add files
+    (the tokenizer) before the hashes are taken. Every input is checked before anything is built.
+    """
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
+    if spec.kind not in EXPORTABLE_CACHES:
+        raise ArtifactError(
+            f"cache {spec.kind!r} cannot be exported (its host transfers live outside the program); choose one "
+            f"of {', '.join(EXPORTABLE_CACHES)}"
+        )
+    if any(b > spec.max_cache_len for b in buckets):
+        raise ArtifactError(f"prefill buckets {list(buckets)} must not exceed max_cache_len {spec.max_cache_len}")
+    param = next(model.parameters())
+    cache = build_cache(model.config, spec, param.dtype, param.device)
+    if "onnx" in formats:
+        from .onnx_export import GENAI_SLACK, check_onnx_cache
+
+        if spec.window is None and cache.window is not None:  # unset: the window plus genai's default slack
+            spec = dataclasses.replace(spec, window=cache.window + GENAI_SLACK)
+            cache = build_cache(model.config, spec, param.dtype, param.device)
+        check_onnx_cache(cache)
+
+    def timed(what: str, run: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = run()
+        on_stage(what, time.perf_counter() - start)
+        return result
+
+    def build(folder: Path) -> dict[str, Any]:
+        manifest: dict[str, Any] = {}
+        torch_formats = [f for f in formats if f != "onnx"]
+        if torch_formats:
+            from .torch_export import StepProgram, write_torch
+
+            step = StepProgram(model, cache).eval()
+            manifest |= write_torch(folder, step, buckets, torch_formats, timed)
+        if "onnx" in formats:
+            from .onnx_export import write_onnx
+
+            manifest |= write_onnx(folder, model, cache, timed)
+        extra_files(folder)
+        return {
+            "versions": _versions(),
+            "model": {"config": model.config.to_dict(), "source": getattr(model, "source", None)},
+            "cache": {
+                "kind": cache.kind, "max_batch_size": spec.max_batch_size, "max_cache_len": spec.max_cache_len,
+                "window": cache.window, "max_sequence_len": cache.max_sequence_len,
+                "layers": [cache.layer_kind(i) for i in range(len(cache.rotating))],
+                "layer_lengths": list(cache.layer_lengths),
+            },
+            "dtype": str(param.dtype).removeprefix("torch."),
+            "device": param.device.type,
+            "prefill_buckets": sorted(set(buckets)),
+            "formats": list(formats),
+            **manifest,
+            **(fields or {}),
+        }
+
+    return write_artifact(target, build)
+
+
+def _versions() -> dict[str, str]:
+    import onnx
+
+    return {"staticrt": __version__, "torch": torch.__version__, "onnx": onnx.__version__}

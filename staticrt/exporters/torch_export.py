@@ -15,24 +15,20 @@ Files, beside manifest.json:
 
 from __future__ import annotations
 
-import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from .. import __version__
-from ..artifact import ArtifactError, program_name, write_artifact
-from ..caches import KVCache, build_cache
-from ..caches.base import CacheSpec
+from ..artifact import program_name
+from ..caches import KVCache
 from ..model import Decoder
 from ..sampling import greedy
 
-TORCH_FORMATS = ("aoti", "pt2")
-EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
 WEIGHTS = "weights.safetensors"
-Stage = Callable[[str, float], None]  # (what finished, seconds it took)
+Timed = Callable[[str, Callable[[], Any]], Any]  # runs a stage, reports what finished and its time
 
 
 class StepProgram(nn.Module):
@@ -92,85 +88,35 @@ def constant_layouts(constants: dict[str, torch.Tensor]) -> dict[str, dict[str, 
     }
 
 
-def export_torch(
-    model: Decoder,
-    spec: CacheSpec,
-    buckets: Sequence[int],
-    target: Path,
-    formats: Sequence[str] = TORCH_FORMATS,
-    fields: dict[str, Any] | None = None,
-    on_stage: Stage = lambda what, seconds: None,
-    extra_files: Callable[[Path], None] = lambda folder: None,
-) -> Path:
-    """Export `model` with a cache of `spec` to the artifact folder `target` (atomically).
+def write_torch(folder: Path, step: StepProgram, buckets: Sequence[int], formats: Sequence[str], timed: Timed) -> dict[str, Any]:
+    """Write the `formats` ("aoti", "pt2") of `step`'s programs and weights.safetensors into
+    `folder`; return their manifest fields."""
+    from safetensors.torch import save_file
+    from torch._inductor import aoti_compile_and_package
 
-    `fields` are merged into the manifest (e.g. the recipe); `extra_files(folder)` may add files
-    (the tokenizer) before the hashes are taken.
-    """
-    unknown = [f for f in formats if f not in TORCH_FORMATS]
-    if unknown or not formats:
-        raise ArtifactError(f"format(s) {unknown or formats} are not torch formats; choose from {', '.join(TORCH_FORMATS)}")
-    if spec.kind not in EXPORTABLE_CACHES:
-        raise ArtifactError(
-            f"cache {spec.kind!r} cannot be exported (its host transfers live outside the program); choose one "
-            f"of {', '.join(EXPORTABLE_CACHES)}"
-        )
-    param = next(model.parameters())
-    cache = build_cache(model.config, spec, param.dtype, param.device)
-    step = StepProgram(model, cache).eval()
     constants = program_constants(step)
-    if any(b > cache.spec.max_cache_len for b in buckets):
-        raise ArtifactError(f"prefill buckets {list(buckets)} must not exceed max_cache_len {cache.spec.max_cache_len}")
-    batch = cache.spec.max_batch_size
-
-    def timed(what: str, run: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        result = run()
-        on_stage(what, time.perf_counter() - start)
-        return result
-
-    def build(folder: Path) -> dict[str, Any]:
-        from safetensors.torch import save_file
-        from torch._inductor import aoti_compile_and_package
-
-        programs = timed("trace (torch.export)", lambda: export_programs(step, batch, buckets))
-        if "pt2" in formats:
-            (folder / "pt2").mkdir()
+    batch = step.cache.spec.max_batch_size
+    programs = timed("trace (torch.export)", lambda: export_programs(step, batch, buckets))
+    if "pt2" in formats:
+        (folder / "pt2").mkdir()
+        with warnings.catch_warnings():  # torch.export.save notes that CPU weights share no storage group
+            warnings.filterwarnings("ignore", message="No complete tensor found")
             timed("write .pt2 programs", lambda: [torch.export.save(ep, folder / "pt2" / f"{name}.pt2")
                                                   for name, ep in programs.items()])
-        if "aoti" in formats:
-            (folder / "aoti").mkdir()
-            for name, ep in programs.items():
-                # Weights stay out of the package: weights.safetensors holds them once for every program.
-                timed(f"lower and compile {name} (AOTInductor)", lambda: aoti_compile_and_package(
-                    ep, package_path=str(folder / "aoti" / f"{name}.pt2"),
-                    inductor_configs={"aot_inductor.package_constants_in_so": False}))
-        weights = {k: v.contiguous() for k, v in constants.items() if k.startswith("model.")}
-        timed("write weights", lambda: save_file(weights, str(folder / WEIGHTS)))
-        extra_files(folder)
-        return {
-            "versions": _versions(),
-            "model": {"config": model.config.to_dict(), "source": getattr(model, "source", None)},
-            "cache": {
-                "kind": cache.kind, "max_batch_size": batch, "max_cache_len": cache.spec.max_cache_len,
-                "window": cache.window, "max_sequence_len": cache.max_sequence_len,
-                "layers": [cache.layer_kind(i) for i in range(len(cache.rotating))],
-            },
-            "dtype": str(param.dtype).removeprefix("torch."),
-            "device": param.device.type,
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA the aoti code targets
-            "prefill_buckets": sorted(set(buckets)),
-            "formats": list(formats),
-            "programs": {program_name(s): io_spec(batch, s) for s in sorted({1, *buckets})},
-            "constants": constant_layouts(constants),
-            "weights": WEIGHTS,
-            **(fields or {}),
-        }
-
-    return write_artifact(target, build)
+    if "aoti" in formats:
+        (folder / "aoti").mkdir()
+        for name, ep in programs.items():
+            # Weights stay out of the package: weights.safetensors holds them once for every program.
+            timed(f"lower and compile {name} (AOTInductor)", lambda: aoti_compile_and_package(
+                ep, package_path=str(folder / "aoti" / f"{name}.pt2"),
+                inductor_configs={"aot_inductor.package_constants_in_so": False}))
+    weights = {k: v.contiguous() for k, v in constants.items() if k.startswith("model.")}
+    timed("write weights", lambda: save_file(weights, str(folder / WEIGHTS)))
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA the aoti code targets
+        "programs": {program_name(s): io_spec(batch, s) for s in sorted({1, *buckets})},
+        "constants": constant_layouts(constants),
+        "weights": WEIGHTS,
+    }
 
 
-def _versions() -> dict[str, str]:
-    import onnx
-
-    return {"staticrt": __version__, "torch": torch.__version__, "onnx": onnx.__version__}

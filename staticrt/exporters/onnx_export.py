@@ -1,0 +1,283 @@
+"""Model + cache -> ONNX graph in ONNX Runtime GenAI's decoder convention, in an artifact folder.
+
+One graph serves prefill and decode (S and T are dynamic; batch, heads, slots and head size are
+fixed by the cache):
+
+  inputs   input_ids [B, S] int64, attention_mask [B, T] int64 (T = columns so far, this step's
+           included), position_ids [B, S] int64, past_key_values.{i}.key|value [B, H_kv, N_i, D]
+  outputs  logits [B, 1, V] (the step's last column), present.{i}.key|value [B, H_kv, N_i, D]
+
+Cache slots follow the attention mask's columns, as in transformers and onnxruntime-genai: this
+step's S entries go to columns T - S .. T - 1, written by the standard `TensorScatter` (opset 24)
+at T - S (T counted to each row's last marked column, see `marked_columns`), mode `linear` for a layer of `max_cache_len` slots and `circular` for a rotating layer
+of `window` slots. A padded column is a hole the mask hides. Which token position a column holds
+is counted from the mask (cumsum - 1), so sliding windows and causality are judged in positions,
+not columns, and holes never shorten a window. Rotating layers attend before they write (the
+buffer as it was plus the step's own K/V) and keep only the newest min(S, window) entries, so a
+chunk of any length is exact with a window-sized buffer; runners pad on the left (holes before a
+row's first token), which keeps every column a rotating buffer still holds a real one.
+
+A runner that binds each past and its present to one buffer (staticrt's ONNX runner, the genai
+`past_present_share_buffer`) has the cache updated in place: `present` is the TensorScatter's
+output itself, which ONNX Runtime then writes into the bound buffer.
+
+Files, beside manifest.json: onnx/model.onnx and its external data onnx/model.onnx.data, and
+genai_config.json (with the checkpoint's tokenizer files) at the top of the folder, where
+onnxruntime-genai looks for them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..artifact import ArtifactError
+from ..caches import KVCache
+from ..model import Decoder
+from ..ops import onnx_translations, tensor_scatter
+
+OPSET = 24
+MAX_IR_VERSION = 13  # the newest IR version onnxruntime 1.31 loads
+GRAPH = "onnx/model.onnx"
+GENAI_CONFIG = "genai_config.json"
+GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a rotating layer)
+
+
+@dataclass
+class StepInputs:
+    attention_mask: torch.Tensor  # [B, T] int64, 1 where a column holds a real token
+    write_index: torch.Tensor  # [B] int64, the column of each row's first new entry (T - S)
+
+
+class GraphCache(KVCache):
+    """A cache whose layers are a graph's inputs (`past`) and outputs (`present`), laid out like
+    the cache `layout` (which layers rotate, how many slots each holds), indexed by mask column."""
+
+    def __init__(self, layout: KVCache) -> None:
+        nn.Module.__init__(self)
+        self.kind, self.config, self.spec = layout.kind, layout.config, layout.spec
+        self.rotating, self.window, self.layer_lengths = layout.rotating, layout.window, layout.layer_lengths
+        self.dtype, self.device = layout.dtype, layout.device
+        self.past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def rotating_layers(cls, config):  # noqa: ANN001, ANN206 - the layout cache decided
+        raise NotImplementedError
+
+    def bind(self, past: list[torch.Tensor], attention_mask: torch.Tensor, write_index: torch.Tensor) -> None:
+        """Take this step's inputs: `past` as [key_0, value_0, key_1, ...], each `[B, H_kv, N_i, D]`;
+        `attention_mask [B, T]`; `write_index [B]`, the column of each row's first new entry."""
+        assert len(past) == 2 * len(self.rotating), f"{len(past)} past tensors for {len(self.rotating)} layers"
+        self.past = [(past[2 * i], past[2 * i + 1]) for i in range(len(self.rotating))]
+        self.present = {}
+        self.inputs = StepInputs(attention_mask, write_index)
+
+    def presents(self) -> list[torch.Tensor]:
+        return [t for i in range(len(self.rotating)) for t in self.present[i]]
+
+    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Lengths live in the attention mask here."""
+
+    def layout_writes_first(self, rotating: bool, steps: int) -> bool:
+        """Rotating layers always attend first: one graph serves every S, decode included."""
+        return not rotating
+
+    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.present.get(layer_idx, self.past[layer_idx])
+
+    def update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        write_index: torch.Tensor,
+        num_new: torch.Tensor,
+        after: torch.Tensor | None = None,
+    ) -> None:
+        """present = TensorScatter(past, new, T - S); a rotating layer keeps the newest min(S, window)."""
+        rotating = self.rotating[layer_idx]
+        if rotating:
+            steps = key.shape[2]
+            dropped = torch.sym_max(steps - self.window, 0)  # entries older than the window, gone anyway
+            key, value = key[:, :, dropped:], value[:, :, dropped:]
+            write_index = write_index + dropped
+        self.present[layer_idx] = tuple(
+            tensor_scatter(buf, new, write_index, rotating, after)
+            for buf, new in zip(self.past[layer_idx], (key, value))
+        )
+
+    def _mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, 1, S, L(+S)]`: the columns a layer holds (`key_positions` of the step's columns),
+        visible where the mask marks them real and their token position is causal (and inside
+        the window) for the query's position. A query always sees its own column, so a hole
+        (whose position means nothing) still has one key and softmax stays finite."""
+        mask = self.inputs.attention_mask  # [B, T]
+        total = mask.shape[1]
+        columns = self.inputs.write_index[:, None] + torch.arange(positions.shape[1], device=mask.device)  # [B, S]
+        key_columns = self.key_positions(rotating, columns)  # [B, S, K]
+        index = key_columns.clamp(0, total - 1).flatten(1)  # [B, S*K]
+        real = (key_columns >= 0) & (mask.gather(1, index).view_as(key_columns) > 0)
+        key_pos = (torch.cumsum(mask, dim=1) - 1).gather(1, index).view_as(key_columns)
+        query = positions[:, :, None]  # [B, S, 1]
+        visible = real & (key_pos <= query)
+        if attention == "sliding_attention":
+            visible = visible & (query - key_pos < self.config.sliding_window)
+        visible = visible | (key_columns == columns[:, :, None])
+        return visible[:, None]
+
+
+def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:
+    """`[B]`: columns up to and including each row's last marked one, i.e. T for a mask that ends
+    with this step, as genai's growing mask does. A runner that keeps the mask at a fixed width
+    (genai's CUDA-graph mode; staticrt's runner, so decode has one shape) leaves zeros after it."""
+    columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return (attention_mask * columns).amax(dim=1)
+
+
+class OnnxStep(nn.Module):
+    """The graph's forward, in genai's names: one step of S tokens a row at columns T - S .. T - 1."""
+
+    def __init__(self, model: Decoder, layout: KVCache) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = GraphCache(layout)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        steps = input_ids.shape[1]  # input_ids, position_ids [B, S]; attention_mask [B, T]
+        write_index = marked_columns(attention_mask) - steps  # [B]
+        self.cache.bind(list(past), attention_mask, write_index)
+        logits = self.model(input_ids, write_index, self.cache, positions=position_ids)  # [B, V] at column T - 1
+        return (logits[:, None], *self.cache.presents())
+
+
+def check_onnx_cache(cache: KVCache) -> None:
+    """Refuse a rotating layout onnxruntime-genai would allocate differently: it gives a sliding
+    layer `window_size + cache_slack` slots and reads a cache_slack of 0 as its default (16), so
+    the rotating layers need at least one slot more than the model's window."""
+    if cache.window is not None and cache.window <= cache.config.sliding_window:
+        raise ArtifactError(
+            f"window is {cache.window}, the model's sliding_window; onnxruntime-genai allocates sliding layers "
+            "window_size + cache_slack slots with cache_slack >= 1, so the onnx format needs window >= "
+            f"{cache.config.sliding_window + 1}: set window = {cache.config.sliding_window + GENAI_SLACK} "
+            "(genai's default slack) or leave it unset"
+        )
+
+
+def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
+    """Inputs to trace with: S = 5 and T = 7 (sizes of 0 and 1 would be specialised), zero caches."""
+    batch, steps, total = cache.spec.max_batch_size, 5, 7
+    device = cache.device
+    past = [torch.zeros(cache.layer_shape(n), dtype=cache.dtype, device=device) for n in cache.layer_lengths
+            for _ in range(2)]
+    ids = torch.zeros(batch, steps, dtype=torch.int64, device=device)
+    return ids, torch.ones(batch, total, dtype=torch.int64, device=device), ids.clone(), *past
+
+
+def io_names(layers: int) -> tuple[list[str], list[str]]:
+    kv = [f"{i}.{part}" for i in range(layers) for part in ("key", "value")]
+    return (["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{n}" for n in kv)],
+            ["logits", *(f"present.{n}" for n in kv)])
+
+
+def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
+    """Trace one step with dynamic batch, S and T and write it (weights as external data) to `path`."""
+    from torch.export import Dim
+
+    step = OnnxStep(model, cache).eval()
+    batch, steps, total = Dim("batch_size"), Dim("sequence_length"), Dim("total_sequence_length")
+    layers = len(cache.rotating)
+    dynamic = ({0: batch, 1: steps}, {0: batch, 1: total}, {0: batch, 1: steps}, tuple({0: batch} for _ in range(2 * layers)))
+    inputs, outputs = io_names(layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The exporter reports progress and benign notes (missing torchvision, merged axis names) as
+    # warnings; staticrt shows its own stages instead.
+    quiet = logging.getLogger("torch.onnx")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                step, example_inputs(cache), str(path), dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic,
+                input_names=inputs, output_names=outputs, custom_translation_table=onnx_translations(),
+                external_data=True, verbose=False,
+            )
+    finally:
+        quiet.setLevel(level)
+
+
+def graph_io(path: Path) -> dict[str, Any]:
+    """What the manifest says of the graph: opset, IR version, each input's and output's dims."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False)
+    if graph.ir_version > MAX_IR_VERSION:
+        raise ArtifactError(f"{path} came out with IR version {graph.ir_version}; onnxruntime loads up to {MAX_IR_VERSION}")
+
+    def values(items: Any) -> list[dict[str, Any]]:
+        return [{"name": v.name, "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+                 "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name} for v in items]
+
+    opset = next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
+    return {"opset": opset, "ir_version": graph.ir_version, "inputs": values(graph.graph.input),
+            "outputs": values(graph.graph.output)}
+
+
+def genai_config(cache: KVCache) -> dict[str, Any]:
+    """onnxruntime-genai's description of the graph: a `decoder` whose past and present share one
+    buffer; `context_length` is the positions a row can reach (the model's for an all-rotating cache)."""
+    c = cache.config
+    context = cache.max_sequence_len or c.max_position_embeddings
+    inputs, outputs = io_names(1)
+    decoder: dict[str, Any] = {
+        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+        "filename": GRAPH,
+        "head_size": c.head_dim,
+        "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_heads,
+        "num_hidden_layers": c.num_layers,
+        "num_key_value_heads": c.num_kv_heads,
+        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
+                   "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+    }
+    if cache.window is not None:
+        # Our rotating layers, described as genai's: a window plus slack slots, never slid or copied.
+        decoder["sliding_window"] = {
+            "window_size": c.sliding_window, "cache_slack": cache.window - c.sliding_window,
+            "slide_key_value_cache": False, "slide_inputs": False,
+            "layers": [i for i, r in enumerate(cache.rotating) if r],
+        }
+    eos = list(c.eos_token_ids)
+    return {
+        "model": {
+            "type": "decoder", "context_length": context, "vocab_size": c.vocab_size, "decoder": decoder,
+            "bos_token_id": c.bos_token_id if c.bos_token_id is not None else 0,
+            "eos_token_id": eos[0] if len(eos) == 1 else eos or 0,
+            "pad_token_id": c.pad_token_id if c.pad_token_id is not None else (eos[0] if eos else 0),
+        },
+        "search": {"do_sample": False, "num_beams": 1, "max_length": context, "min_length": 0,
+                   "past_present_share_buffer": True},
+    }
+
+
+def write_onnx(folder: Path, model: Decoder, cache: KVCache, timed: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
+    """Write the graph (checked with `onnx.checker`, full check) and genai_config.json into `folder`;
+    return the manifest's `onnx` field."""
+    import onnx
+
+    path = folder / GRAPH
+    timed("trace and translate to ONNX", lambda: export_graph(model, cache, path))
+    timed("check the graph (onnx.checker, full_check)", lambda: onnx.checker.check_model(str(path), full_check=True))
+    (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
+    return {"onnx": {"graph": GRAPH, "genai_config": GENAI_CONFIG, **graph_io(path)}}
