@@ -12,7 +12,9 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -20,6 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .caches import CacheSpec
 from .checkpoint import load_model, resolve_dtype
 from .config import ModelConfig
 from .generate import Generator
@@ -72,10 +75,15 @@ def bench_staticrt(
     max_cache_len: int | None = None,
 ) -> dict[str, Any]:
     """One warm-up generation (it compiles), then `repeats` timed ones; medians of them. The
-    prompt fills its prefill bucket exactly, so prefill times carry no padding."""
+    prompt fills its prefill bucket exactly, so prefill times carry no padding. Backend "onnx"
+    exports the model with its cache to a temporary artifact first and runs it in ONNX Runtime
+    with torch's thread count."""
     max_cache_len = max_cache_len or len(prompts[0]) + new_tokens
-    gen = Generator(model, cache=cache, max_batch_size=len(prompts), max_cache_len=max_cache_len, backend=backend,
-                    prefill_buckets=(len(prompts[0]),))
+    if backend == "onnx":
+        gen = _onnx_generator(model, CacheSpec(cache, len(prompts), max_cache_len), len(prompts[0]))
+    else:
+        gen = Generator(model, cache=cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
+                        backend=backend, prefill_buckets=(len(prompts[0]),))
     start = time.perf_counter()
     tokens = gen.generate(prompts, max_new_tokens=new_tokens)
     warmup_s = time.perf_counter() - start
@@ -85,8 +93,22 @@ def bench_staticrt(
         prefill.append(gen.last_stats.prefill_s)
         decode.append(statistics.median(gen.last_stats.decode_s))
     res = _result(statistics.median(prefill), statistics.median(decode), len(prompts), tokens, warmup_s)
-    res.update(cache_device_bytes=gen.backend.cache.device_bytes(), cache_host_bytes=gen.backend.cache.host_bytes())
+    if backend != "onnx":
+        res.update(cache_device_bytes=gen.backend.cache.device_bytes(), cache_host_bytes=gen.backend.cache.host_bytes())
     return res
+
+
+def _onnx_generator(model: Decoder, spec: CacheSpec, bucket: int) -> Generator:
+    from .backends.onnx import OnnxBackend
+    from .exporters import export_artifact
+
+    scratch = Path(tempfile.mkdtemp(prefix="staticrt-bench-onnx-"))
+    try:
+        folder = export_artifact(model, spec, [bucket], scratch / "artifact", ["onnx"])
+        device = next(model.parameters()).device.type
+        return Generator(OnnxBackend(folder, device=device, threads=torch.get_num_threads()))
+    finally:  # the session holds the graph and weights in memory; the files may go
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _result(prefill_s: float, decode_s: float, batch: int, tokens: list[list[int]], warmup_s: float) -> dict[str, Any]:
@@ -234,6 +256,9 @@ def run_bench(
     """
     if window is not None and offload:
         raise BenchError("--window and --offload compare different things; run them one at a time")
+    if offload and "onnx" in backends:
+        raise BenchError("offloaded caches do not export, so --offload cannot run the onnx backend; drop onnx from "
+                         "--backends")
     if window is not None and prompt_len < window:
         raise BenchError(
             f"prompt_len {prompt_len} is shorter than window {window}; the sliding benchmark decodes past the "
@@ -313,14 +338,17 @@ def run_bench(
 
 
 def _ratios(results: dict[str, Any]) -> dict[str, float]:
-    """Decode speedups against transformers and, for sliding and offloaded runs, their step cost
-    over a Static cache of the same attended length (the goals: at most 1.2 for the rotating
-    buffer, 1.5 for offloading)."""
+    """Decode speedups against transformers; for sliding and offloaded runs, their step cost over a
+    Static cache of the same attended length (the goals: at most 1.2 for the rotating buffer, 1.5
+    for offloading); for ONNX Runtime, its step cost over the compiled torch backend."""
     step = {label: res["decode_ms_per_token"] for label, res in results.items()}
     ratios = {}
     for label in step:
         if "hf" in step and label != "hf":
             ratios[f"{label}_decode_speedup_vs_hf"] = step["hf"] / step[label]
+        compiled = label.replace("onnx", "compiled", 1)
+        if label.startswith("onnx") and compiled in step:  # the goal: at most 1.2
+            ratios[f"{label}_decode_cost_vs_{compiled}"] = step[label] / step[compiled]
         base, _, variant = label.rpartition("-")
         if variant in ("sliding", "offloaded") and f"{base}-static" in step:
             static = f"{base}-static"
@@ -352,7 +380,7 @@ def first_token_main(argv: Sequence[str] | None = None) -> None:
     else:
         from .artifact import load_artifact
 
-        gen = load_artifact(source, format=mode)
+        gen = load_artifact(source, backend=mode)
     gen.generate([[1, 2, 3]], max_new_tokens=1, stream=lambda row, token: stamp or stamp.append(time.time()))
     print(json.dumps({"first_token_at": stamp[0]}))
 

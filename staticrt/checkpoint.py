@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from .config import PRESETS, ModelConfig, load_hf_config
+from .tokenizer import load_tokenizer
 from .model import Decoder, init_random, use_column_major_weights
 from .rope import inverse_frequencies
 
@@ -132,10 +133,3 @@ def _ready(model: Decoder) -> Decoder:
     if next(model.parameters()).device.type == "cpu":
         use_column_major_weights(model)
     return model
-
-
-def load_tokenizer(path: Path):  # -> tokenizers.Tokenizer | None
-    """The tokenizer in `path` (a tokenizer.json), or None where there is none."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path)) if path.is_file() else None

@@ -22,6 +22,7 @@ examples:
   staticrt run --model tiny-llama --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16 --json
   staticrt run --model ./my-llama --prompt "The capital of France is" --backend compiled
   staticrt bench --model bench-llama --backends eager,compiled,hf --new-tokens 64 --threads 2 --json bench.json
+  staticrt bench --model bench-llama --backends compiled,onnx --threads 2 --json bench-onnx.json
   staticrt bench --backends compiled,hf --window 4096 --prompt-len 4160 --new-tokens 32 --json bench-sliding.json
   staticrt bench --backends compiled --offload --prompt-len 8192 --new-tokens 32 --json bench-offload.json
   staticrt export export/tiny-llama.toml && staticrt bench --cold-start artifacts/tiny-llama --json bench-cold.json
@@ -81,8 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
                          epilog="Tokens stream to stdout as they are chosen; --json prints one object at the end.")
     run.add_argument("artifact", nargs="?", type=Path,
                      help="an artifact folder from `staticrt export` (instead of --model): runs its programs")
-    run.add_argument("--format", default=None, choices=("aoti", "pt2"),
-                     help="with an artifact: AOTInductor packages (default) or the torch.export programs")
     _add_model_args(run, required=False)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
@@ -90,8 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="token ids of one row, comma-separated; repeat for a batch")
     run.add_argument("--max-new-tokens", type=int, default=32)
     _add_export_parser(sub)
-    run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    run.add_argument("--backend", default="eager", help="eager | compiled (default eager)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for torch, or for ONNX Runtime with --backend onnx (default: the library's choice)")
+    run.add_argument("--backend", default=None,
+                     help="with --model: eager (default) | compiled; with an artifact: aoti (AOTInductor packages) | "
+                          "pt2 (torch.export programs) | onnx (ONNX Runtime, no torch), default the first it holds")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
@@ -104,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
     bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")
     bench.add_argument("--backends", default="eager,compiled,hf",
-                       help="comma-separated: eager, compiled, hf (transformers, when installed)")
+                       help="comma-separated: eager, compiled, onnx (exported to a temporary artifact, run in ONNX "
+                            "Runtime), hf (transformers, when installed)")
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--batch-size", type=int, default=1)
@@ -138,20 +141,23 @@ def _add_export_parser(sub: Any) -> None:
         epilog="examples:\n  staticrt export export/tiny-mistral.toml          # writes artifacts/tiny-mistral/\n"
                "  staticrt export --model ./my-llama --cache static --batch-size 1 --max-cache-len 2048 \\\n"
                "      --prefill-buckets 128,512 --out artifacts/my-llama\n"
-               "  staticrt run artifacts/tiny-mistral --prompt-ids 1,2,3 --json")
+               "  staticrt run artifacts/tiny-mistral --prompt-ids 1,2,3 --json\n"
+               "  staticrt run artifacts/tiny-mistral --backend onnx --prompt-ids 1,2,3   # ONNX Runtime, no torch")
     export.add_argument("recipe", nargs="?", type=Path, help="a recipe, export/NAME.toml (writes artifacts/NAME/)")
     _add_model_args(export, required=False)
     export.add_argument("--batch-size", type=int, default=1)
     export.add_argument("--prefill-buckets", type=_prompt_ids, default=None,
                         help="prompt widths to export a prefill program for, comma-separated (default: max-cache-len)")
-    export.add_argument("--format", default="aoti,pt2", help="comma-separated: aoti, pt2 (default both)")
+    export.add_argument("--format", default="aoti,pt2,onnx",
+                        help="comma-separated: aoti (AOTInductor packages), pt2 (torch.export programs), onnx (an "
+                             "ONNX graph with genai_config.json for ONNX Runtime and onnxruntime-genai); default all")
     export.add_argument("--out", type=Path, default=None, help="artifact folder (default artifacts/RECIPE_NAME)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .caches import CacheSpec
     from .checkpoint import load_model
-    from .exporters.torch_export import export_torch
+    from .exporters import export_artifact
     from .recipe import Recipe, read_recipe
 
     if args.recipe is not None:
@@ -180,8 +186,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                   f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}) to {out}")
     start = time.perf_counter()
     with console.status("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
-        export_torch(model, CacheSpec(recipe.cache, recipe.batch_size, recipe.max_cache_len, recipe.window),
-                     recipe.prefill_buckets, out, recipe.formats, {"recipe": recipe.to_dict()}, stage, copy_tokenizer)
+        export_artifact(model, CacheSpec(recipe.cache, recipe.batch_size, recipe.max_cache_len, recipe.window),
+                        recipe.prefill_buckets, out, recipe.formats, {"recipe": recipe.to_dict()}, stage, copy_tokenizer)
     console.print(f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3")
     return 0
 
@@ -203,7 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .backends import BACKENDS
     from .caches import CacheSpec
     from .checkpoint import load_model
-    from .exporters.torch_export import export_torch
+    from .exporters import export_artifact
     from .generate import Generator
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -211,14 +217,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompts = [[1, 5, 9, 13, 17, 21, 25], [2, 4, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
     console.print(f"[bold]staticrt demo[/] on {args.model}: {len(prompts)} prompts, {args.new_tokens} new tokens each")
     scratch = tempfile.TemporaryDirectory()
-
-    def exported() -> Any:  # torch.export programs (AOTInductor packages take a minute to build: `staticrt export`)
-        spec = CacheSpec("static", len(prompts), 64)
-        return load_artifact(export_torch(model, spec, [16], Path(scratch.name) / "demo", ["pt2"]), format="pt2")
-
+    artifact = Path(scratch.name) / "demo"
+    with console.status("exporting torch.export programs and an ONNX graph (AOTInductor packages take a minute "
+                        "more to build: `staticrt export` makes them)"):
+        start = time.perf_counter()
+        export_artifact(model, CacheSpec("static", len(prompts), 64), [16], artifact, ["pt2", "onnx"])
+    console.print(f"exported pt2 programs and an onnx graph in {time.perf_counter() - start:.1f} s")
     makers = {name: partial(Generator, model, max_batch_size=len(prompts), max_cache_len=64, backend=name)
               for name in BACKENDS}
-    makers["exported-pt2"] = exported
+    makers |= {"exported-pt2": partial(load_artifact, artifact, "pt2"), "onnx": partial(load_artifact, artifact, "onnx")}
     results, rows = {}, []
     for name, make in makers.items():
         with console.status(f"{name}: first run (compiles or exports where the backend does)"):
@@ -254,11 +261,11 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
 
 def _artifact_run(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[list[int]]]:
     from .artifact import load_artifact
-    from .checkpoint import load_tokenizer
+    from .tokenizer import load_tokenizer
 
     if args.model:
         raise SystemExit("staticrt run: give an artifact folder or --model, not both")
-    gen = load_artifact(args.artifact, format=args.format)
+    gen = load_artifact(args.artifact, backend=args.backend, threads=args.threads)
     tokenizer = load_tokenizer(args.artifact / "tokenizer.json")
     eos_ids = list(gen.backend.manifest["model"]["config"].get("eos_token_ids", []))
     return gen, tokenizer, eos_ids, _prompts(args, tokenizer)
@@ -277,14 +284,14 @@ def _model_run(args: argparse.Namespace) -> tuple[Any, Any, list[int], list[list
     if not args.max_cache_len and args.cache in ("sliding", "hybrid", "offloaded-hybrid"):
         max_cache_len = max(max_cache_len, args.window or model.config.sliding_window or 0)
     gen = Generator(model, cache=args.cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
-                    backend=args.backend, window=args.window)
+                    backend=args.backend or "eager", window=args.window)
     return gen, model.tokenizer, list(model.config.eos_token_ids), prompts
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import torch
+    if args.threads and args.backend != "onnx":
+        import torch
 
-    if args.threads:
         torch.set_num_threads(args.threads)
     gen, tokenizer, eos_ids, prompts = (_artifact_run if args.artifact is not None else _model_run)(args)
 
@@ -405,18 +412,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 COMMANDS = {"demo": cmd_demo, "run": cmd_run, "export": cmd_export, "bench": cmd_bench, "inspect": cmd_inspect}
 
 
+# The errors that mean a bad request (printed, exit status 2), by module: a module that was never
+# imported raised none, and importing it here would pull torch into a torch-free ONNX run.
+USER_ERRORS = (("staticrt.generate", "GenerationError"), ("staticrt.checkpoint", "CheckpointError"),
+               ("staticrt.config", "ConfigError"), ("staticrt.caches.base", "CacheError"),
+               ("staticrt.bench", "BenchError"), ("staticrt.artifact", "ArtifactError"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .artifact import ArtifactError
-    from .bench import BenchError
-    from .caches import CacheError
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .generate import GenerationError
-
     try:
         return COMMANDS[args.command](args)
-    except (GenerationError, CheckpointError, ConfigError, CacheError, BenchError, ArtifactError) as err:
+    except Exception as err:
+        known = tuple(getattr(sys.modules[module], name) for module, name in USER_ERRORS if module in sys.modules)
+        if not isinstance(err, known):
+            raise
         console.print(f"staticrt {args.command}: {err}", style="red", markup=False, soft_wrap=True)
         return 2
 

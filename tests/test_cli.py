@@ -49,7 +49,7 @@ def test_run_reports_bad_input_with_exit_code_2(capsys):
 def test_demo_runs_every_backend_and_they_agree():
     proc = subprocess.run([sys.executable, "-m", "staticrt.cli", "demo"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "all 3 backends agree token for token" in proc.stderr
+    assert "all 4 backends agree token for token" in proc.stderr
     assert "exported-pt2" in proc.stderr
 
 

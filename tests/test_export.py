@@ -16,13 +16,15 @@ import staticrt
 from staticrt.artifact import ArtifactError, load_artifact
 from staticrt.caches import CacheSpec
 from staticrt.cli import main
-from staticrt.exporters.torch_export import export_torch
+from staticrt.exporters import export_artifact
 from staticrt.generate import GenerationError
 from staticrt.recipe import read_recipe
 
 RECIPES = Path(__file__).parent.parent / "export"
 NAMES = ("tiny-llama", "tiny-mistral", "tiny-gemma2")  # static, sliding, hybrid
-LENGTHS = (40, 5, 23)  # with 64 new tokens the longest row reaches position 103, past the window of 64
+# With 64 new tokens the longest row reaches position 103, past the window of 64 and the 80 slots
+# of a rotating layer.
+LENGTHS = (40, 5, 23)
 NEW_TOKENS = 64
 VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
          "select", "alias", "t", "as_strided"}
@@ -53,10 +55,10 @@ def eager_tokens(name: str) -> list[list[int]]:
 @pytest.mark.parametrize("fmt", ["aoti", "pt2"])
 @pytest.mark.parametrize("name", NAMES)
 def test_artifact_tokens_equal_the_eager_backend(artifacts, name, fmt):
-    gen = load_artifact(artifacts[name], format=fmt)
+    gen = load_artifact(artifacts[name], backend=fmt)
     manifest = gen.backend.manifest
     assert (manifest["cache"]["kind"], manifest["formats"], manifest["prefill_buckets"]) == (
-        {"tiny-llama": "static", "tiny-mistral": "sliding", "tiny-gemma2": "hybrid"}[name], ["aoti", "pt2"], [64])
+        {"tiny-llama": "static", "tiny-mistral": "sliding", "tiny-gemma2": "hybrid"}[name], ["aoti", "pt2", "onnx"], [64])
     key = gen.backend.constants["cache.key_0"]
     address = key.data_ptr()
     assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == eager_tokens(name)
@@ -135,7 +137,7 @@ def test_an_export_interrupted_in_its_last_stage_leaves_no_folder(tmp_path, monk
     monkeypatch.setattr(safetensors.torch, "save_file", fail)
     model = staticrt.load_model("tiny-llama")
     with pytest.raises(RuntimeError, match="disk full"):
-        export_torch(model, CacheSpec("static", 1, 32), [16], tmp_path / "tiny", formats=["pt2"])
+        export_artifact(model, CacheSpec("static", 1, 32), [16], tmp_path / "tiny", formats=["pt2"])
     assert list(tmp_path.iterdir()) == []  # neither the artifact nor a temporary folder
 
 
@@ -155,7 +157,7 @@ def test_an_artifact_for_another_cpu_is_refused_for_aoti(artifacts, tmp_path):
     manifest["cpu_capability"] = "AVX1024"
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match=r"field cpu_capability is 'AVX1024', this CPU offers '\w+'; the compiled "
-                                            r"code may not run here: use --format pt2 or re-export here$"):
+                                            r"code may not run here: use --backend pt2 or re-export here$"):
         load_artifact(folder)
-    assert load_artifact(folder, format="pt2").generate([[1, 2, 3]], max_new_tokens=4) == load_artifact(
+    assert load_artifact(folder, backend="pt2").generate([[1, 2, 3]], max_new_tokens=4) == load_artifact(
         artifacts["tiny-llama"]).generate([[1, 2, 3]], max_new_tokens=4)

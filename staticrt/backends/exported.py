@@ -94,7 +94,7 @@ class ExportedBackend:
         if format == "aoti" and manifest.get("cpu_capability") != capability:
             raise ArtifactError(
                 f"{folder / 'manifest.json'}: field cpu_capability is {manifest.get('cpu_capability')!r}, this CPU "
-                f"offers {capability!r}; the compiled code may not run here: use --format pt2 or re-export here"
+                f"offers {capability!r}; the compiled code may not run here: use --backend pt2 or re-export here"
             )
         self.constants = load_constants(folder, manifest)
         load = _aoti_program if format == "aoti" else _pt2_program

@@ -1,0 +1,174 @@
+"""ONNX Runtime backend: runs an artifact's ONNX graph through the one generation loop, with
+onnxruntime and NumPy alone (no torch, no model code).
+
+Each cache tensor is allocated once as an OrtValue on the session's device and bound, with
+IOBinding, as both `past_key_values.{i}.*` and `present.{i}.*`, so every step's TensorScatter
+writes it in place. Rows are laid out as the graph expects (exporters/onnx_export.py): a prompt is
+placed at the right end of a prefill of `max(prompt lengths)` columns (holes on the left, masked),
+and each decode step adds one column. For caches with a linear layer the mask keeps one width,
+the cache length, with zeros after the last column, so decode runs one shape every step (what
+ONNX Runtime's CUDA graphs need); an all-rotating cache has no length, and its mask grows.
+Tokens are chosen on the host (host_sampling.py) from the logits of the step's last column.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..artifact import ArtifactError, read_manifest
+from ..generate import SamplingParams, check_positions
+from ..host_sampling import greedy, sample
+
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def _session(path: Path, section: dict[str, Any], threads: int | None, device: str) -> Any:
+    """An InferenceSession, or an ArtifactError that names the graph, its opset and the installed onnxruntime."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    providers: list[Any] = ["CPUExecutionProvider"]
+    if device == "cuda":
+        providers.insert(0, ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}))
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as err:  # onnxruntime raises its own exception types, by status
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ArtifactError(
+            f"{path}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
+            f"{section['ir_version']}): {reason}; install an onnxruntime-gpu that runs opset {section['opset']} or "
+            "re-export the artifact with this staticrt"
+        ) from None
+
+
+class OnnxBackend:
+    """A `StepBackend` over the ONNX graph of an artifact folder written by `staticrt export --format onnx`."""
+
+    name = "onnx"
+
+    def __init__(
+        self,
+        folder: str | Path,
+        manifest: dict[str, Any] | None = None,
+        device: str | None = None,
+        threads: int | None = None,
+    ) -> None:
+        import onnxruntime as ort
+
+        folder = Path(folder)
+        manifest = manifest or read_manifest(folder)
+        if "onnx" not in manifest["formats"]:
+            raise ArtifactError(
+                f"{folder} holds format(s) {', '.join(manifest['formats'])}, no onnx graph; run it with one of those "
+                "or re-export with --format onnx"
+            )
+        section = manifest["onnx"]
+        available = ort.get_available_providers()
+        device = device or ("cuda" if "CUDAExecutionProvider" in available and _has_cuda_device() else "cpu")
+        if device not in ("cpu", "cuda"):
+            raise ArtifactError(f"device {device!r} is unknown to the onnx backend; use cpu or cuda")
+        self.session = _session(folder / section["graph"], section, threads, device)
+        self.device = device
+        cache = manifest["cache"]
+        self.kind = cache["kind"]
+        self.batch_size = cache["max_batch_size"]
+        self.max_cache_len = cache["max_cache_len"]
+        self.max_sequence_len = cache["max_sequence_len"]
+        config = manifest["model"]["config"]
+        self.vocab_size = config["vocab_size"]
+        # The graph takes any prompt width; the loop's padding is stripped in `_prefill_inputs`.
+        self.buckets = (self.max_sequence_len or config["max_position_embeddings"],)
+        self.manifest = manifest
+        self.caches: dict[str, Any] = {}  # past input name -> its OrtValue [B, H_kv, N_i, D]
+        self.binding = self.session.io_binding()
+        for spec in section["inputs"]:
+            if spec["name"].startswith("past_key_values."):
+                shape = [self.batch_size, *spec["shape"][1:]]
+                value = ort.OrtValue.ortvalue_from_shape_and_type(shape, _DTYPES[spec["dtype"]], device, 0)
+                self.caches[spec["name"]] = value
+                # One buffer as past and present: every step's write lands in it, in place.
+                self.binding.bind_ortvalue_input(spec["name"], value)
+                self.binding.bind_ortvalue_output(spec["name"].replace("past_key_values.", "present."), value)
+        self.logits = ort.OrtValue.ortvalue_from_shape_and_type([self.batch_size, 1, self.vocab_size], np.float32, device, 0)
+        self.binding.bind_ortvalue_output("logits", self.logits)  # [B, 1, V]
+        self.mask = np.zeros((self.batch_size, self.max_sequence_len or 0), dtype=np.int64)  # [B, width]
+        self.columns = 0  # columns written so far (the same for every row)
+        self.run_options = {1: ort.RunOptions(), 0: ort.RunOptions()}
+        if device == "cuda":  # decode (steps == 1) replays one captured graph; prefill is never captured
+            self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
+            self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
+
+    def reset(self) -> None:
+        for value in self.caches.values():
+            if self.device == "cpu":
+                value.numpy().fill(0)  # a view of the OrtValue's own memory
+            else:
+                value.update_inplace(np.zeros(value.shape(), dtype=_DTYPES[self.manifest["dtype"]]))
+        self.mask[:] = 0
+        self.columns = 0
+
+    def _grow_mask(self, width: int) -> None:
+        """An all-rotating cache's mask grows (doubling), since its rows never run out of positions."""
+        if width > self.mask.shape[1]:
+            grown = np.zeros((self.batch_size, max(width, 2 * self.mask.shape[1])), dtype=np.int64)
+            grown[:, : self.mask.shape[1]] = self.mask
+            self.mask = grown
+
+    def _step_inputs(
+        self, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`input_ids [B, S]`, `attention_mask [B, T]`, `position_ids [B, S]` in the graph's layout:
+        a first step places each row's `num_new` tokens at the right end of `max(num_new)` columns."""
+        batch = self.batch_size
+        if self.columns == 0:
+            steps = int(num_new.max())
+            ids = np.zeros((batch, steps), dtype=np.int64)
+            positions = np.zeros((batch, steps), dtype=np.int64)
+            self._grow_mask(steps)
+            for r in range(batch):
+                n = int(num_new[r])
+                ids[r, steps - n:] = input_ids[r, :n]
+                positions[r, steps - n:] = write_index[r] + np.arange(n)
+                self.mask[r, steps - n: steps] = 1
+        else:  # decode: one real token a row, at the next column
+            steps = input_ids.shape[1]
+            ids, positions = input_ids, write_index[:, None] + np.arange(steps)
+            self._grow_mask(self.columns + steps)
+            self.mask[:, self.columns: self.columns + steps] = 1
+        self.columns += steps
+        width = self.mask.shape[1] if self.max_sequence_len else self.columns
+        return ids, self.mask[:, :width], positions
+
+    def step(
+        self,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams,
+        uniforms: np.ndarray | None,
+    ) -> np.ndarray:
+        check_positions(write_index, int(num_new.max()), self.max_sequence_len, self.kind)
+        ids, mask, positions = self._step_inputs(input_ids, write_index, num_new)
+        for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
+            self.binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        self.session.run_with_iobinding(self.binding, self.run_options[int(ids.shape[1] == 1)])
+        logits = self.logits.numpy()[:, -1]  # [B, V]; the one device-to-host read of the step
+        if uniforms is None:
+            return greedy(logits)
+        return sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
+
+
+def _has_cuda_device() -> bool:
+    """Whether a CUDA device is present (onnxruntime-gpu lists its CUDA provider on any machine)."""
+    import ctypes
+
+    try:
+        count = ctypes.c_int(0)
+        return ctypes.CDLL("libcudart.so").cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0
+    except OSError:
+        return False

@@ -1,0 +1,242 @@
+"""ONNX artifacts: graphs exported from transformers checkpoints, run by staticrt's ONNX Runtime
+runner and by onnxruntime-genai; tokens against transformers and the eager backend; the cache
+written in place; no torch at deploy; bad inputs refused with the limit or the file named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+import staticrt
+from hf_models import hf_greedy
+from staticrt.artifact import ArtifactError, load_artifact, sha256
+from staticrt.caches import CacheSpec
+from staticrt.exporters import export_artifact
+from staticrt.generate import GenerationError
+
+# (checkpoint, cache): every family, every exportable cache kind. mistral-sw16 and gemma2 attend
+# through a window of 16; their rotating layers get 32 slots (the window plus genai's slack).
+CASES = [("llama", "static"), ("qwen2", "static"), ("mistral-sw16", "sliding"), ("gemma2", "hybrid"),
+         ("gemma2", "static")]
+LENGTHS = (40, 5, 23)  # mixed, two longer than the window; 64 new tokens go far past it
+NEW_TOKENS = 64
+
+
+def prompts(vocab: int = 256) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def onnx_artifacts(hf_checkpoints, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    root = tmp_path_factory.mktemp("onnx")
+    made = {}
+    for family, cache in CASES:
+        model = staticrt.load_model(hf_checkpoints[family][0])
+        made[family, cache] = export_artifact(model, CacheSpec(cache, 3, 128), [64], root / f"{family}-{cache}", ["onnx"])
+    return made
+
+
+def eager(hf_checkpoints, family: str, cache: str):
+    model = staticrt.load_model(hf_checkpoints[family][0])
+    return staticrt.Generator(model, cache=cache, max_batch_size=3, max_cache_len=128)
+
+
+@pytest.mark.parametrize("family,cache", CASES)
+def test_onnx_greedy_tokens_equal_transformers_and_sampling_equals_eager(onnx_artifacts, hf_checkpoints, family, cache):
+    gen = load_artifact(onnx_artifacts[family, cache], backend="onnx")
+    assert gen.backend.name == "onnx"
+    tokens = gen.generate(prompts(), max_new_tokens=NEW_TOKENS)
+    hf_model = hf_checkpoints[family][1]
+    assert tokens == [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts()]
+    assert tokens == eager(hf_checkpoints, family, cache).generate(prompts(), max_new_tokens=NEW_TOKENS)
+    options = dict(max_new_tokens=24, do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+    sampled = gen.generate(prompts(), **options)
+    assert sampled == eager(hf_checkpoints, family, cache).generate(prompts(), **options)
+    assert sampled != tokens  # sampling really sampled
+
+
+def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_artifacts):
+    folder = onnx_artifacts["gemma2", "hybrid"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    graph = onnx.load(str(folder / manifest["onnx"]["graph"]), load_external_data=False)
+    onnx.checker.check_model(str(folder / manifest["onnx"]["graph"]), full_check=True)
+    assert graph.ir_version <= 13 and [(o.domain, o.version) for o in graph.opset_import] == [("", 24)]
+    assert {n.domain for n in graph.graph.node} == {""}  # standard ops only, no staticrt domain
+    producers = {out: n for n in graph.graph.node for out in n.output}
+    modes = {}
+    for output in graph.graph.output[1:]:  # every present is a TensorScatter's own output (no copy after it)
+        node = producers[output.name]
+        assert node.op_type == "TensorScatter"
+        modes[output.name] = onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "mode"))
+    # Gemma2 alternates sliding (rotating, circular) and global (linear) layers.
+    assert modes == {"present.0.key": b"circular", "present.0.value": b"circular",
+                     "present.1.key": b"linear", "present.1.value": b"linear"}
+    assert [i.name for i in graph.graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert manifest["onnx"]["inputs"][3] == {"name": "past_key_values.0.key", "shape": ["batch_size", 2, 32, 16],
+                                             "dtype": "float32"}
+    assert (folder / "onnx" / "model.onnx.data").stat().st_size > 100_000  # weights live in external data
+
+
+def test_genai_config_describes_the_graph(onnx_artifacts):
+    config = json.loads((onnx_artifacts["gemma2", "hybrid"] / "genai_config.json").read_text())
+    model, decoder = config["model"], config["model"]["decoder"]
+    assert (model["type"], model["context_length"], model["vocab_size"]) == ("decoder", 128, 256)
+    assert (decoder["filename"], decoder["head_size"], decoder["num_hidden_layers"], decoder["num_key_value_heads"]) == (
+        "onnx/model.onnx", 16, 2, 2)
+    assert decoder["sliding_window"] == {"window_size": 16, "cache_slack": 16, "slide_key_value_cache": False,
+                                         "slide_inputs": False, "layers": [0]}
+    assert config["search"]["past_present_share_buffer"] is True
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert decoder["outputs"]["present_value_names"] == "present.%d.value"
+
+
+@pytest.mark.parametrize("family,cache", [("llama", "static"), ("mistral-sw16", "sliding")])
+def test_onnxruntime_genai_runs_the_artifact_token_for_token(onnx_artifacts, hf_checkpoints, family, cache):
+    og = pytest.importorskip("onnxruntime_genai", reason="install onnxruntime-genai (--no-deps), as the README's test command does")
+    model = og.Model(str(onnx_artifacts[family, cache]))
+    reference = eager(hf_checkpoints, family, cache)
+    for prompt in prompts():
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + NEW_TOKENS)
+        generator = og.Generator(model, params)
+        generator.append_tokens(prompt)
+        tokens = []
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        assert tokens == reference.generate([prompt], max_new_tokens=NEW_TOKENS)[0]
+
+
+def test_decode_writes_the_bound_cache_in_place(onnx_artifacts, hf_checkpoints, capfd):
+    """16 decode steps: ONNX Runtime never logs that TensorScatter copied the cache, the buffer
+    keeps its address, and it holds the eager cache's entries at the graph's columns."""
+    gen = load_artifact(onnx_artifacts["llama", "static"], backend="onnx")
+    key = gen.backend.caches["past_key_values.1.key"]  # [B, H_kv, 128, D]
+    address = key.data_ptr()
+    capfd.readouterr()
+    gen.generate(prompts(), max_new_tokens=17)  # prefill, then 16 decode steps
+    assert "in-place optimization not activated" not in capfd.readouterr().err
+    assert key.data_ptr() == address
+    written = key.numpy()
+    reference = eager(hf_checkpoints, "llama", "static")
+    reference.generate(prompts(), max_new_tokens=17)
+    expected = reference.backend.cache.key_1.numpy()  # [B, H_kv, 128, D], position p at slot p
+    width = max(LENGTHS)  # the prefill's columns; row r starts at column width - LENGTHS[r]
+    for r, n in enumerate(LENGTHS):
+        held = n + 16  # the prompt and 16 decoded tokens (the last token is chosen, not yet written)
+        start = width - n
+        np.testing.assert_allclose(written[r, :, start:start + held], expected[r, :, :held], rtol=1e-4, atol=1e-5)
+        assert not written[r, :, start + held:].any()  # nothing beyond (the holes before hold masked padding)
+
+
+def test_the_in_place_detector_sees_a_copy_when_present_is_not_bound_to_past(onnx_artifacts, capfd):
+    """The control for the test above: bound to other buffers, TensorScatter copies and says so."""
+    import onnxruntime as ort
+
+    folder = onnx_artifacts["llama", "static"]
+    session = ort.InferenceSession(str(folder / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    ids = np.ones((3, 4), dtype=np.int64)
+    binding.bind_cpu_input("input_ids", ids)
+    binding.bind_cpu_input("attention_mask", np.ones((3, 4), dtype=np.int64))
+    binding.bind_cpu_input("position_ids", np.tile(np.arange(4), (3, 1)))
+    for value in session.get_inputs()[3:]:
+        binding.bind_cpu_input(value.name, np.zeros([3, *value.shape[1:]], dtype=np.float32))
+    for value in session.get_outputs():
+        binding.bind_output(value.name)
+    capfd.readouterr()
+    session.run_with_iobinding(binding)
+    assert "TensorScatter: in-place optimization not activated" in capfd.readouterr().err
+
+
+def test_running_an_onnx_artifact_imports_no_torch(onnx_artifacts):
+    folder = onnx_artifacts["mistral-sw16", "sliding"]
+    script = (
+        "import sys, json\n"
+        "from staticrt.cli import main\n"
+        f"assert main(['run', {str(folder)!r}, '--backend', 'onnx', '--prompt-ids', '1,2,3', '--max-new-tokens', '4',"
+        " '--json']) == 0\n"
+        "import staticrt\n"
+        f"staticrt.load_artifact({str(folder)!r}, backend='onnx').generate([[4, 5]], max_new_tokens=2)\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'staticrt.model',"
+        " 'staticrt.caches', 'staticrt.exporters')))\n"
+        "print(json.dumps(loaded), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert json.loads(done.stderr.strip().splitlines()[-1]) == []
+    assert len(json.loads(done.stdout)["tokens"][0]) == 4
+
+
+def test_requests_beyond_the_artifact_are_refused_before_running(onnx_artifacts):
+    gen = load_artifact(onnx_artifacts["llama", "static"], backend="onnx")
+    with pytest.raises(GenerationError, match=r"^4 prompts exceed max_batch_size=3; split the batch or build the "
+                                              r"Generator with a larger max_batch_size$"):
+        gen.generate([[1]] * 4, max_new_tokens=2)
+    with pytest.raises(GenerationError, match=r"^prompt 0 has 100 tokens; with max_new_tokens=29 that is 129, beyond "
+                                              r"max_cache_len=128; shorten the prompt"):
+        gen.generate([[1] * 100], max_new_tokens=29)
+    # Nothing ran: the next request still matches the reference run.
+    assert gen.generate([[1] * 100], max_new_tokens=28)[0] == load_artifact(
+        onnx_artifacts["llama", "static"], backend="onnx").generate([[1] * 100], max_new_tokens=28)[0]
+
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+
+def test_a_missing_or_altered_graph_file_is_named(onnx_artifacts, tmp_path):
+    folder = _copy(onnx_artifacts["qwen2", "static"], tmp_path)
+    data = folder / "onnx" / "model.onnx.data"
+    blob = bytearray(data.read_bytes())
+    blob[1234] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    with pytest.raises(ArtifactError, match=rf"^{data} does not match the sha256 in manifest.json \(changed or corrupted "
+                                            r"since export\); re-export the artifact$"):
+        load_artifact(folder, backend="onnx")
+    data.unlink()
+    with pytest.raises(ArtifactError, match=rf"^{data} is listed in manifest.json but missing; re-export the artifact$"):
+        load_artifact(folder, backend="onnx")
+
+
+def test_an_opset_the_installed_onnxruntime_cannot_run_is_refused_with_the_opset_named(onnx_artifacts, tmp_path):
+    import onnxruntime as ort
+
+    folder = _copy(onnx_artifacts["qwen2", "static"], tmp_path)
+    path = folder / "onnx" / "model.onnx"
+    graph = onnx.load(str(path), load_external_data=False)
+    graph.opset_import[0].version = 99  # as if written by an exporter from the future
+    onnx.save(graph, str(path))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["onnx"]["opset"] = 99
+    manifest["files"]["onnx/model.onnx"] = sha256(path)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=rf"^{path}: onnxruntime {ort.__version__} cannot load this graph \(opset 99, "
+                                            r"IR version \d+\): .*; install an onnxruntime-gpu that runs opset 99 or "
+                                            r"re-export the artifact with this staticrt$"):
+        load_artifact(folder, backend="onnx")
+
+
+def test_a_backend_the_artifact_lacks_is_named(onnx_artifacts):
+    with pytest.raises(ArtifactError, match=r"holds format\(s\) onnx, not 'aoti'; run it with one of onnx or "
+                                            r"re-export with --format aoti$"):
+        load_artifact(onnx_artifacts["llama", "static"], backend="aoti")
+
+
+def test_onnx_export_refuses_a_window_genai_would_allocate_differently(hf_checkpoints, tmp_path):
+    model = staticrt.load_model(hf_checkpoints["mistral-sw16"][0])
+    with pytest.raises(ArtifactError, match=r"^window is 16, the model's sliding_window; onnxruntime-genai allocates "
+                                            r"sliding layers window_size \+ cache_slack slots with cache_slack >= 1, so "
+                                            r"the onnx format needs window >= 17: set window = 32 \(genai's default "
+                                            r"slack\) or leave it unset$"):
+        export_artifact(model, CacheSpec("sliding", 1, 64, window=16), [16], tmp_path / "x", ["onnx"])
+    assert list(tmp_path.iterdir()) == []
