@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--threads", type=int, default=None,
                      help="CPU threads for torch, or for ONNX Runtime with --backend onnx (default: the library's choice)")
     run.add_argument("--backend", default=None,
-                     help="with --model: eager (default) | compiled; with an artifact: aoti (AOTInductor packages) | "
+                     help="with --model: eager (default) | compiled | cudagraph (CUDA graphs of the compiled step; the "
+                          "compiled path on a CPU) | reduce-overhead (torch.compile's own CUDA graphs); with an artifact: aoti (AOTInductor packages) | "
                           "pt2 (torch.export programs) | onnx (ONNX Runtime, no torch), default the first it holds")
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     run.add_argument("--temperature", type=float, default=1.0)
@@ -106,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
     bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")
     bench.add_argument("--backends", default="eager,compiled,hf",
-                       help="comma-separated: eager, compiled, onnx (exported to a temporary artifact, run in ONNX "
-                            "Runtime), hf (transformers, when installed)")
+                       help="comma-separated: eager, compiled, cudagraph, reduce-overhead, onnx (exported to a "
+                            "temporary artifact, run in ONNX Runtime), hf (transformers, when installed)")
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--batch-size", type=int, default=1)
@@ -206,7 +207,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
     from .artifact import load_artifact
-    from .backends import BACKENDS
+    from .backends import BACKENDS, CUDA_ONLY
     from .caches import CacheSpec
     from .checkpoint import load_model
     from .exporters import export_artifact
@@ -223,8 +224,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         export_artifact(model, CacheSpec("static", len(prompts), 64), [16], artifact, ["pt2", "onnx"])
     console.print(f"exported pt2 programs and an onnx graph in {time.perf_counter() - start:.1f} s")
+    # Without CUDA the CUDA-graph backends run the compiled path; the demo runs that once.
+    backends = [name for name in BACKENDS if torch.cuda.is_available() or name not in CUDA_ONLY]
+    if len(backends) < len(BACKENDS):
+        console.print(f"{', '.join(CUDA_ONLY)}: no CUDA device here, where they run the compiled path; skipped")
     makers = {name: partial(Generator, model, max_batch_size=len(prompts), max_cache_len=64, backend=name)
-              for name in BACKENDS}
+              for name in backends}
     makers |= {"exported-pt2": partial(load_artifact, artifact, "pt2"), "onnx": partial(load_artifact, artifact, "onnx")}
     results, rows = {}, []
     for name, make in makers.items():

@@ -218,7 +218,8 @@ def _tiny(family: str, **overrides: Any) -> ModelConfig:
 
 
 # Built-in presets: seeded random weights, no files. The tiny ones serve the demo and tests;
-# `bench-llama` is the Llama shape the foundation benchmark is defined on.
+# `bench-llama` is the Llama shape the foundation benchmark is defined on; `bench-1b` is a
+# Llama-3.2-1B shape (1.24e9 parameters) for the CUDA-graph benchmark.
 PRESETS: dict[str, ModelConfig] = {
     "tiny-llama": _tiny("llama"),
     "tiny-mistral": _tiny("mistral", sliding_window=64, layer_types=("sliding_attention",) * 2),
@@ -247,6 +248,20 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=64,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0),
+    ),
+    "bench-1b": ModelConfig(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
         rope=RopeConfig(theta=500000.0),
     ),
 }

@@ -11,7 +11,10 @@ from ..generate import GenerationError, StepBackend
 BACKENDS = {
     "eager": ("staticrt.backends.eager", "EagerBackend"),
     "compiled": ("staticrt.backends.compiled", "CompiledBackend"),
+    "cudagraph": ("staticrt.backends.cudagraph", "CudaGraphBackend"),
+    "reduce-overhead": ("staticrt.backends.cudagraph", "ReduceOverheadBackend"),
 }
+CUDA_ONLY = ("cudagraph", "reduce-overhead")  # on a CPU these run the compiled path
 
 
 def create_backend(name: str, model: Any, **options: Any) -> StepBackend:

@@ -27,6 +27,7 @@ class CompiledBackend(EagerBackend):
     # `freezing` (constant weights, MKL pre-packing) measured no faster once the weights are
     # column-major (see `use_column_major_weights`), and costs compile time and a weight copy.
     options = {"cpp_wrapper": True}
+    mode: str | None = None  # a torch.compile mode instead of `options` (cudagraph.py's reduce-overhead)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -36,7 +37,6 @@ class CompiledBackend(EagerBackend):
         key = (steps, do_sample)
         if key not in self._graphs:
             tag = f"{'decode' if steps == 1 else f'prefill{steps}'}_{'sample' if do_sample else 'greedy'}"
-            self._graphs[key] = torch.compile(
-                _own_code_copy(run_step, tag), fullgraph=True, dynamic=False, options=self.options
-            )
+            how = {"mode": self.mode} if self.mode else {"options": self.options}
+            self._graphs[key] = torch.compile(_own_code_copy(run_step, tag), fullgraph=True, dynamic=False, **how)
         return self._graphs[key]

@@ -25,7 +25,7 @@ from ..host_sampling import greedy, sample
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
-def _session(path: Path, section: dict[str, Any], threads: int | None, device: str) -> Any:
+def _session(path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool) -> Any:
     """An InferenceSession, or an ArtifactError that names the graph, its opset and the installed onnxruntime."""
     import onnxruntime as ort
 
@@ -34,7 +34,7 @@ def _session(path: Path, section: dict[str, Any], threads: int | None, device: s
         options.intra_op_num_threads = threads
     providers: list[Any] = ["CPUExecutionProvider"]
     if device == "cuda":
-        providers.insert(0, ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}))
+        providers.insert(0, ("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graphs else "0"}))
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types, by status
@@ -72,7 +72,9 @@ class OnnxBackend:
         device = device or ("cuda" if "CUDAExecutionProvider" in available and _has_cuda_device() else "cpu")
         if device not in ("cpu", "cuda"):
             raise ArtifactError(f"device {device!r} is unknown to the onnx backend; use cpu or cuda")
-        self.session = _session(folder / section["graph"], section, threads, device)
+        # A CUDA graph needs one decode shape; an all-rotating cache's mask grows, so it runs without.
+        graphs = device == "cuda" and manifest["cache"]["max_sequence_len"] is not None
+        self.session = _session(folder / section["graph"], section, threads, device, graphs)
         self.device = device
         cache = manifest["cache"]
         self.kind = cache["kind"]
@@ -81,7 +83,7 @@ class OnnxBackend:
         self.max_sequence_len = cache["max_sequence_len"]
         config = manifest["model"]["config"]
         self.vocab_size = config["vocab_size"]
-        # The graph takes any prompt width; the loop's padding is stripped in `_prefill_inputs`.
+        # The graph takes any prompt width; the loop's padding is stripped in `_step_inputs`.
         self.buckets = (self.max_sequence_len or config["max_position_embeddings"],)
         self.manifest = manifest
         self.caches: dict[str, Any] = {}  # past input name -> its OrtValue [B, H_kv, N_i, D]
@@ -98,8 +100,9 @@ class OnnxBackend:
         self.binding.bind_ortvalue_output("logits", self.logits)  # [B, 1, V]
         self.mask = np.zeros((self.batch_size, self.max_sequence_len or 0), dtype=np.int64)  # [B, width]
         self.columns = 0  # columns written so far (the same for every row)
+        self.device_inputs: dict[tuple[str, tuple[int, ...]], Any] = {}
         self.run_options = {1: ort.RunOptions(), 0: ort.RunOptions()}
-        if device == "cuda":  # decode (steps == 1) replays one captured graph; prefill is never captured
+        if device == "cuda" and self.max_sequence_len:  # decode replays one captured graph; prefill never
             self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
             self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
 
@@ -144,6 +147,21 @@ class OnnxBackend:
         width = self.mask.shape[1] if self.max_sequence_len else self.columns
         return ids, self.mask[:, :width], positions
 
+    def _device_input(self, name: str, value: np.ndarray) -> Any:
+        """A device OrtValue holding `value`. Decode's inputs (one column, and the fixed-width mask)
+        are kept, one per shape, so every decode step reads the same addresses, as a CUDA graph
+        replay must; a prefill's (any width) are made for the step."""
+        import onnxruntime as ort
+
+        key = (name, value.shape)
+        if value.shape[1] != 1 and name != "attention_mask":
+            return ort.OrtValue.ortvalue_from_numpy(value, self.device, 0)
+        if key not in self.device_inputs:
+            self.device_inputs[key] = ort.OrtValue.ortvalue_from_numpy(value, self.device, 0)
+        else:
+            self.device_inputs[key].update_inplace(value)
+        return self.device_inputs[key]
+
     def step(
         self,
         input_ids: np.ndarray,
@@ -155,7 +173,11 @@ class OnnxBackend:
         check_positions(write_index, int(num_new.max()), self.max_sequence_len, self.kind)
         ids, mask, positions = self._step_inputs(input_ids, write_index, num_new)
         for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
-            self.binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            value = np.ascontiguousarray(value)
+            if self.device == "cpu":
+                self.binding.bind_cpu_input(name, value)
+            else:
+                self.binding.bind_ortvalue_input(name, self._device_input(name, value))
         self.session.run_with_iobinding(self.binding, self.run_options[int(ids.shape[1] == 1)])
         logits = self.logits.numpy()[:, -1]  # [B, V]; the one device-to-host read of the step
         if uniforms is None:

@@ -1,0 +1,171 @@
+"""CUDA-graph backend: each step shape is the compiled step captured once in a CUDA graph and
+replayed, so a decode step costs one graph launch plus a few small copies.
+
+For the Generator's batch size there is one graph per (steps, greedy|sample): decode and each
+prefill bucket. A graph reads its inputs from static buffers (`input_ids`, `write_index`,
+`num_new`, sampling parameters, the uniform random numbers) and writes the chosen ids to a static
+output; all graphs share one memory pool. The decode graph also feeds itself: it copies its
+output into its own `input_ids` and advances `write_index`, so in steady decode the host copies
+nothing in (only the sampling uniforms when sampling) and reads the ids out once a step.
+
+A graph is captured the first time its shape is asked for, mid-generation: the compiled step is
+warmed up on a side stream (which compiles it) and captured, and because warm-up runs the step
+for real, the cache and the static inputs are saved before and restored after. After capture a
+generation allocates no device memory.
+
+Without CUDA, `backend="cudagraph"` warns once and runs the compiled path, so a script written
+for a GPU still runs on a CPU. Backend "reduce-overhead" is `torch.compile(mode="reduce-overhead")`
+(inductor's own CUDA graphs) for comparison.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..generate import SamplingParams
+from .compiled import CompiledBackend
+
+_WARNED = False
+
+
+class CudaGraphWarning(UserWarning):
+    """The cudagraph backend fell back to the compiled path (no CUDA device)."""
+
+
+def _warn_no_cuda(device: torch.device) -> None:
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        warnings.warn(
+            f"backend 'cudagraph' needs a CUDA device and the model is on {device}; running the compiled backend "
+            "instead (the same tokens, without CUDA graphs)", CudaGraphWarning, stacklevel=4)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # static buffers the graph reads, by step argument name
+    output: torch.Tensor  # [B] int64 on the device, the graph's chosen ids
+    expected: tuple[np.ndarray, np.ndarray] | None = None  # decode: (ids, write_index) its buffers hold next
+    params: tuple[float, int, float] | None = None  # sampling parameters its buffers hold
+
+
+class CudaGraphBackend(CompiledBackend):
+    name = "cudagraph"
+    options: dict[str, Any] = {}  # inductor's defaults on CUDA (cpp_wrapper is the CPU fast path)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.captured: dict[tuple[int, bool], _Graph] = {}
+        if self.device.type != "cuda":
+            _warn_no_cuda(self.device)
+            self.options = CompiledBackend.options
+            return
+        self.pool = torch.cuda.graph_pool_handle()  # one pool for every graph
+        self.host_ids = torch.empty(self.batch_size, dtype=torch.int64, pin_memory=True)
+
+    def step(
+        self,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams,
+        uniforms: np.ndarray | None,
+    ) -> np.ndarray:
+        if self.device.type != "cuda":
+            return super().step(input_ids, write_index, num_new, sampling, uniforms)
+        batch, steps = input_ids.shape
+        self.cache.check_step(write_index, steps)
+        key = (steps, uniforms is not None)
+        if key not in self.captured:
+            self.captured[key] = self._capture(steps, uniforms is not None, input_ids, write_index, num_new,
+                                               sampling, uniforms)
+        entry = self.captured[key]
+        self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
+        entry.graph.replay()
+        # The step's one device-to-host synchronisation: the chosen ids, copied out of the graph's
+        # output before the next replay overwrites it.
+        self.host_ids.copy_(entry.output, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        next_ids = self.host_ids.numpy().copy()
+        if steps == 1:  # the graph left these in its own input buffers
+            entry.expected = (next_ids.reshape(batch, 1), write_index + 1)
+        return next_ids
+
+    def _load_inputs(
+        self, entry: _Graph, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray,
+        sampling: SamplingParams, uniforms: np.ndarray | None,
+    ) -> None:
+        """Copy host inputs into the graph's static buffers, skipping what the buffers already hold."""
+        buffers = entry.inputs
+        held = entry.expected
+        if held is None or not (np.array_equal(held[0], input_ids) and np.array_equal(held[1], write_index)):
+            buffers["input_ids"].copy_(torch.from_numpy(input_ids), non_blocking=True)
+            buffers["write_index"].copy_(torch.from_numpy(write_index), non_blocking=True)
+            buffers["num_new"].copy_(torch.from_numpy(num_new), non_blocking=True)
+        params = (sampling.temperature, sampling.top_k, sampling.top_p)
+        if uniforms is not None:
+            buffers["uniform"].copy_(torch.from_numpy(uniforms), non_blocking=True)
+            if entry.params != params:
+                buffers["temperature"].fill_(sampling.temperature)
+                buffers["top_k"].fill_(sampling.top_k)
+                buffers["top_p"].fill_(sampling.top_p)
+                entry.params = params
+
+    def _capture(
+        self, steps: int, do_sample: bool, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray,
+        sampling: SamplingParams, uniforms: np.ndarray | None,
+    ) -> _Graph:
+        """Warm up (compile) on a side stream and capture the step of this shape, leaving the cache
+        as it was: warm-up runs the step for real."""
+        batch, dev = self.batch_size, self.device
+        inputs = {
+            "input_ids": torch.zeros(batch, steps, dtype=torch.int64, device=dev),
+            "write_index": torch.zeros(batch, dtype=torch.int64, device=dev),
+            "num_new": torch.ones(batch, dtype=torch.int64, device=dev),
+            "temperature": torch.ones(batch, dtype=torch.float32, device=dev),
+            "top_k": torch.zeros(batch, dtype=torch.int64, device=dev),
+            "top_p": torch.ones(batch, dtype=torch.float32, device=dev),
+            "uniform": torch.zeros(batch, dtype=torch.float32, device=dev) if do_sample else None,
+        }
+        output = torch.zeros(batch, dtype=torch.int64, device=dev)
+        entry = _Graph(torch.cuda.CUDAGraph(), {k: v for k, v in inputs.items() if v is not None}, output)
+        fn = self.step_function(steps, do_sample)
+        saved = [b.clone() for b in self.cache.state_buffers()]
+
+        def run() -> None:
+            next_ids = fn(self.model, self.cache, *inputs.values())  # [B]
+            output.copy_(next_ids)
+            if steps == 1:  # feed the next decode step from the device
+                inputs["input_ids"].copy_(next_ids[:, None])
+                inputs["write_index"].add_(1)
+
+        def load() -> None:
+            entry.expected, entry.params = None, None
+            self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):
+                load()
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        with torch.no_grad(), torch.cuda.graph(entry.graph, pool=self.pool):
+            run()
+        for buffer, value in zip(self.cache.state_buffers(), saved):
+            buffer.copy_(value)
+        load()
+        return entry
+
+
+class ReduceOverheadBackend(CompiledBackend):
+    """`torch.compile(mode="reduce-overhead")`: inductor captures and replays CUDA graphs itself."""
+
+    name = "reduce-overhead"
+    mode = "reduce-overhead"
