@@ -47,3 +47,16 @@ def test_offload_bench_runs_static_and_offloaded_caches_on_the_same_prompts():
 def test_offload_and_window_benches_are_separate():
     with pytest.raises(BenchError, match="^--window and --offload compare different things; run them one at a time$"):
         run_bench("tiny-llama", ["eager"], prompt_len=64, window=64, offload=True)
+
+
+def test_onnx_bench_exports_and_runs_the_same_tokens_as_eager():
+    report = run_bench("tiny-llama", ["eager", "onnx"], new_tokens=8, prompt_len=24, repeats=1, device="cpu")
+    onnx, eager = report["backends"]["onnx"], report["backends"]["eager"]
+    assert report["tokens_agree"] and onnx["tokens"] == eager["tokens"]
+    assert onnx["prompt_len"] == 24 and onnx["decode_ms_per_token"] > 0
+
+
+def test_onnx_cannot_join_the_offload_bench():
+    with pytest.raises(BenchError, match=r"^offloaded caches do not export, so --offload cannot run the onnx "
+                                         r"backend; drop onnx from --backends$"):
+        run_bench("tiny-llama", ["onnx"], offload=True)
