@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -142,6 +143,7 @@ def _add_export_parser(sub: Any) -> None:
         epilog="examples:\n  staticrt export export/tiny-mistral.toml          # writes artifacts/tiny-mistral/\n"
                "  staticrt export --model ./my-llama --cache static --batch-size 1 --max-cache-len 2048 \\\n"
                "      --prefill-buckets 128,512 --out artifacts/my-llama\n"
+               "  staticrt export export/tiny-llama.toml --format onnx  # only the recipe's ONNX graph\n"
                "  staticrt run artifacts/tiny-mistral --prompt-ids 1,2,3 --json\n"
                "  staticrt run artifacts/tiny-mistral --backend onnx --prompt-ids 1,2,3   # ONNX Runtime, no torch")
     export.add_argument("recipe", nargs="?", type=Path, help="a recipe, export/NAME.toml (writes artifacts/NAME/)")
@@ -149,9 +151,10 @@ def _add_export_parser(sub: Any) -> None:
     export.add_argument("--batch-size", type=int, default=1)
     export.add_argument("--prefill-buckets", type=_prompt_ids, default=None,
                         help="prompt widths to export a prefill program for, comma-separated (default: max-cache-len)")
-    export.add_argument("--format", default="aoti,pt2,onnx",
+    export.add_argument("--format", default=None,
                         help="comma-separated: aoti (AOTInductor packages), pt2 (torch.export programs), onnx (an "
-                             "ONNX graph with genai_config.json for ONNX Runtime and onnxruntime-genai); default all")
+                             "ONNX graph with genai_config.json for ONNX Runtime and onnxruntime-genai); default: "
+                             "the recipe's formats, or all three with --model")
     export.add_argument("--out", type=Path, default=None, help="artifact folder (default artifacts/RECIPE_NAME)")
 
 
@@ -161,14 +164,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .exporters import export_artifact
     from .recipe import Recipe, read_recipe
 
+    formats = tuple(f.strip() for f in (args.format or "").split(",") if f.strip())
     if args.recipe is not None:
         recipe = read_recipe(args.recipe)
+        recipe = dataclasses.replace(recipe, formats=formats) if formats else recipe
     elif args.model and args.out:
         max_cache_len = args.max_cache_len or 1024
         recipe = Recipe(name=args.out.name, model=args.model, cache=args.cache, batch_size=args.batch_size,
                         max_cache_len=max_cache_len, prefill_buckets=tuple(args.prefill_buckets or (max_cache_len,)),
-                        formats=tuple(f.strip() for f in args.format.split(",") if f.strip()), dtype=args.dtype,
-                        window=args.window)
+                        formats=formats or ("aoti", "pt2", "onnx"), dtype=args.dtype, window=args.window)
     else:
         raise SystemExit("staticrt export: give a recipe (export/NAME.toml), or --model and --out")
     out = args.out or Path("artifacts") / recipe.name
