@@ -56,8 +56,14 @@ def test_bad_request_raises_before_state_changes(warm_generator, prompts, kwargs
 
 def test_unknown_backend_and_cache_kind():
     model = staticrt.load_model("tiny-llama")
-    with pytest.raises(GenerationError, match="backend 'fast' is unknown; choose one of eager, compiled"):
+    with pytest.raises(GenerationError, match="^backend 'fast' is unknown; choose one of eager, compiled, cudagraph, "
+                                              "reduce-overhead$"):
         staticrt.Generator(model, backend="fast")
+    with pytest.raises(GenerationError, match=r"^backend 'onnx' runs an exported artifact, not a model: export one "
+                                              r"\(`staticrt export`, format onnx\) and load it with "
+                                              r"staticrt.load_artifact\(path, backend='onnx'\) or `staticrt run "
+                                              r"ARTIFACT --backend onnx`$"):
+        staticrt.Generator(model, backend="onnx")
     with pytest.raises(ValueError, match="cache kind 'paged' is unknown; choose one of static, sliding, hybrid, offloaded, offloaded-hybrid, auto"):
         staticrt.Generator(model, cache="paged")
 

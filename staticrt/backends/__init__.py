@@ -17,7 +17,16 @@ BACKENDS = {
 CUDA_ONLY = ("cudagraph", "reduce-overhead")  # on a CPU these run the compiled path
 
 
+ARTIFACT_ONLY = ("aoti", "pt2", "onnx")  # run exported artifacts: artifact.load_artifact
+
+
 def create_backend(name: str, model: Any, **options: Any) -> StepBackend:
+    if name in ARTIFACT_ONLY:
+        raise GenerationError(
+            f"backend {name!r} runs an exported artifact, not a model: export one (`staticrt export`, "
+            f"format {name}) and load it with staticrt.load_artifact(path, backend={name!r}) or "
+            f"`staticrt run ARTIFACT --backend {name}`"
+        )
     try:
         module, cls = BACKENDS[name]
     except KeyError:
