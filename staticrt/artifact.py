@@ -111,6 +111,16 @@ def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
 ARTIFACT_BACKENDS = ("aoti", "pt2", "onnx")  # in the order a default is picked
 
 
+def require_format(folder: Path, manifest: dict[str, Any], backend: str | None) -> None:
+    """Refuse to run `backend` on an artifact that does not hold its format; every backend checks here."""
+    held = [b for b in ARTIFACT_BACKENDS if b in manifest["formats"]]
+    if backend not in held:
+        raise ArtifactError(
+            f"{folder} holds format(s) {', '.join(manifest['formats'])}, not {backend!r}; run it with one of "
+            f"{', '.join(held)} or re-export with --format {backend}"
+        )
+
+
 def load_artifact(path: str | Path, backend: str | None = None, threads: int | None = None) -> Any:
     """A `Generator` over the artifact in `path`, checked first (manifest, hashes).
 
@@ -122,13 +132,7 @@ def load_artifact(path: str | Path, backend: str | None = None, threads: int | N
 
     folder = Path(path)
     manifest = read_manifest(folder)
-    held = [b for b in ARTIFACT_BACKENDS if b in manifest["formats"]]
-    backend = backend or (held[0] if held else None)
-    if backend not in held:
-        raise ArtifactError(
-            f"{folder} holds format(s) {', '.join(manifest['formats'])}, not {backend!r}; run it with one of "
-            f"{', '.join(held)} or re-export with --format {backend}"
-        )
+    backend = backend or next((b for b in ARTIFACT_BACKENDS if b in manifest["formats"]), None)
     if backend == "onnx":
         from .backends.onnx import OnnxBackend
 

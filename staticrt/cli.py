@@ -89,7 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_prompt_ids, action="append",
                      help="token ids of one row, comma-separated; repeat for a batch")
     run.add_argument("--max-new-tokens", type=int, default=32)
-    _add_export_parser(sub)
     run.add_argument("--threads", type=int, default=None,
                      help="CPU threads for torch, or for ONNX Runtime with --backend onnx (default: the library's choice)")
     run.add_argument("--backend", default=None,
@@ -104,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop-ids", type=_prompt_ids, default=None,
                      help="stop token ids, comma-separated (default: the checkpoint's eos ids)")
     run.add_argument("--json", action="store_true", help="print {\"tokens\": [[...] per row], ...} as one JSON object")
+    _add_export_parser(sub)
 
     bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
     bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..artifact import ArtifactError, program_name, read_manifest
+from ..artifact import ArtifactError, program_name, read_manifest, require_format
 from ..generate import GenerationError, SamplingParams, check_positions
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -83,11 +83,8 @@ class ExportedBackend:
     def __init__(self, folder: str | Path, format: str = "aoti", manifest: dict[str, Any] | None = None) -> None:
         folder = Path(folder)
         manifest = manifest or read_manifest(folder)
-        if format not in ("aoti", "pt2") or format not in manifest["formats"]:
-            raise ArtifactError(
-                f"{folder} holds format(s) {', '.join(manifest['formats'])}, not {format!r}; pick one of those or "
-                f"re-export with --format {format}"
-            )
+        require_format(folder, manifest, format)
+        assert format in ("aoti", "pt2"), f"format {format!r} is not a torch program format; onnx runs on OnnxBackend"
         if manifest.get("device", "cpu") != "cpu":
             raise ArtifactError(f"{folder} was exported for {manifest['device']}; this backend runs CPU artifacts")
         capability = torch.backends.cpu.get_cpu_capability()

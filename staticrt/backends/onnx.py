@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..artifact import ArtifactError, read_manifest
+from ..artifact import ArtifactError, read_manifest, require_format
 from ..generate import SamplingParams, check_positions
 from ..host_sampling import greedy, sample
 
@@ -62,11 +62,7 @@ class OnnxBackend:
 
         folder = Path(folder)
         manifest = manifest or read_manifest(folder)
-        if "onnx" not in manifest["formats"]:
-            raise ArtifactError(
-                f"{folder} holds format(s) {', '.join(manifest['formats'])}, no onnx graph; run it with one of those "
-                "or re-export with --format onnx"
-            )
+        require_format(folder, manifest, "onnx")
         section = manifest["onnx"]
         available = ort.get_available_providers()
         device = device or ("cuda" if "CUDAExecutionProvider" in available and _has_cuda_device() else "cpu")

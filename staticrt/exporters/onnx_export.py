@@ -57,20 +57,16 @@ class StepInputs:
 
 
 class GraphCache(KVCache):
-    """A cache whose layers are a graph's inputs (`past`) and outputs (`present`), laid out like
-    the cache `layout` (which layers rotate, how many slots each holds), indexed by mask column."""
+    """A cache whose layers are a graph's inputs (`past`) and outputs (`present`), indexed by mask
+    column. It is mixed in before a cache class (`graph_cache`), which decides as it always does
+    which layers rotate and how many slots each holds; only the K/V buffers are left out."""
 
-    def __init__(self, layout: KVCache) -> None:
-        nn.Module.__init__(self)
-        self.kind, self.config, self.spec = layout.kind, layout.config, layout.spec
-        self.rotating, self.window, self.layer_lengths = layout.rotating, layout.window, layout.layer_lengths
-        self.dtype, self.device = layout.dtype, layout.device
-        self.past: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.present: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    past: list[tuple[torch.Tensor, torch.Tensor]]  # this step's K/V inputs, set by `bind`
+    present: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> its written K/V outputs
+    inputs: StepInputs
 
-    @classmethod
-    def rotating_layers(cls, config):  # noqa: ANN001, ANN206 - the layout cache decided
-        raise NotImplementedError
+    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
+        """No buffers: each layer's K/V arrives as `past_key_values.{i}.*`, shaped `layer_shape`."""
 
     def bind(self, past: list[torch.Tensor], attention_mask: torch.Tensor, write_index: torch.Tensor) -> None:
         """Take this step's inputs: `past` as [key_0, value_0, key_1, ...], each `[B, H_kv, N_i, D]`;
@@ -142,13 +138,19 @@ def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask * columns).amax(dim=1)
 
 
+def graph_cache(layout: KVCache) -> GraphCache:
+    """A `GraphCache` laid out like the built cache `layout` (same kind, spec, dtype and device)."""
+    cls = type(f"Graph{type(layout).__name__}", (GraphCache, type(layout)), {})
+    return cls(layout.config, layout.spec, layout.dtype, layout.device)
+
+
 class OnnxStep(nn.Module):
     """The graph's forward, in genai's names: one step of S tokens a row at columns T - S .. T - 1."""
 
     def __init__(self, model: Decoder, layout: KVCache) -> None:
         super().__init__()
         self.model = model
-        self.cache = GraphCache(layout)
+        self.cache = graph_cache(layout)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
