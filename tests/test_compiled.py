@@ -39,3 +39,32 @@ def test_seeded_sampling_is_reproducible_and_backend_independent(tiny):
     assert compiled.generate(prompts, seed=123, **kwargs) == a
     greedy = eager.generate(prompts, max_new_tokens=24)
     assert a != greedy
+
+
+def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(monkeypatch):
+    model = staticrt.load_model("tiny-llama")
+    compiled = staticrt.Generator(model, max_batch_size=1, max_cache_len=64, backend="compiled")
+    eager = staticrt.Generator(model, max_batch_size=1, max_cache_len=64)
+    stances = []
+    set_stance = torch.compiler.set_stance
+
+    def recording_set_stance(*args, **kwargs):
+        stances.append(kwargs)
+        return set_stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", recording_set_stance)
+    prompt = [[5, 6, 7]]
+    first = compiled.generate(prompt, max_new_tokens=10)
+    # prefill and the first decode step check their guards; the other 8 decode steps skip them
+    assert stances == [{"skip_guard_eval_unsafe": True}] * 8
+    assert first == eager.generate(prompt, max_new_tokens=10)
+    # Between generations the model changes in a way the graphs depend on: the head goes from the
+    # column-major layout the CPU loader gives it back to row-major. The next generation checks
+    # guards again, recompiles, and still gives eager's tokens. (With the guards skipped, the
+    # stale graph gets the head with strides it was not compiled for and raises on them.)
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    assert not head.is_contiguous()
+    head.data = head.data.contiguous()
+    stances.clear()
+    assert compiled.generate(prompt, max_new_tokens=10) == first
+    assert stances == [{"skip_guard_eval_unsafe": True}] * 8
