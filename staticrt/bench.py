@@ -46,23 +46,35 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     return total
 
 
-def matvec_bytes_per_s(dtype: torch.dtype, device: torch.device, mib: int = 256, repeats: int = 15) -> float:
-    """Streaming rate of a large matrix-vector product on `device`, the bound a decode step can approach."""
-    cols = 8192
-    rows = mib * 2**20 // (cols * torch.finfo(dtype).bits // 8)
-    matrix = torch.randn(rows, cols).to(dtype=dtype, device=device)
-    vector = torch.randn(cols).to(dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    for _ in range(3):
-        torch.mv(matrix, vector)
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        torch.mv(matrix, vector)
-        sync()
-        times.append(time.perf_counter() - start)
-    return matrix.numel() * matrix.element_size() / statistics.median(times)
+class StreamProbe:
+    """The streaming rate of a large matrix-vector product on `device`: the bound a decode step
+    can approach. This machine's memory bandwidth drifts by 20% and more from minute to minute
+    (other tenants share it), so the rate is sampled next to each timed run (`sample` before
+    every repeat and after the last) rather than once per process: a backend's fraction of the
+    bound then compares times taken under the same conditions. The matrix is allocated once."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, mib: int = 256) -> None:
+        cols = 8192
+        rows = mib * 2**20 // (cols * torch.finfo(dtype).bits // 8)
+        self.matrix = torch.randn(rows, cols).to(dtype=dtype, device=device)  # [rows, 8192]
+        self.vector = torch.randn(cols).to(dtype=dtype, device=device)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        self.samples: list[float] = []
+
+    def sample(self, repeats: int = 15) -> float:
+        """Bytes/s of the median of `repeats` products after 3 warm-up ones; kept in `samples`."""
+        for _ in range(3):
+            torch.mv(self.matrix, self.vector)
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            torch.mv(self.matrix, self.vector)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        rate = self.matrix.numel() * self.matrix.element_size() / statistics.median(times)
+        self.samples.append(rate)
+        return rate
 
 
 def copy_bytes_per_s(device: torch.device, mib: int = 1024, repeats: int = 20) -> float:
@@ -99,14 +111,25 @@ def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int
     return [rng.integers(1, vocab, size=prompt_len).tolist() for _ in range(batch_size)]
 
 
-def bench_staticrt(
-    model: Decoder, backend: str, prompts: list[list[int]], new_tokens: int, repeats: int, cache: str = "static",
+@dataclasses.dataclass
+class Contender:
+    """A backend warmed up (compiled, captured) and ready to be timed: `run` times one generation
+    and returns (prefill seconds, median decode seconds a step); `finish` adds what is read off it
+    once timing is over."""
+
+    run: Callable[[], tuple[float, float]]
+    tokens: list[list[int]]
+    warmup_s: float
+    finish: Callable[[list[float]], dict[str, Any]] = lambda decode: {}
+
+
+def staticrt_contender(
+    model: Decoder, backend: str, prompts: list[list[int]], new_tokens: int, cache: str = "static",
     max_cache_len: int | None = None,
-) -> dict[str, Any]:
-    """One warm-up generation (it compiles), then `repeats` timed ones; medians of them. The
-    prompt fills its prefill bucket exactly, so prefill times carry no padding. Backend "onnx"
-    exports the model with its cache to a temporary artifact first and runs it in ONNX Runtime
-    with torch's thread count."""
+) -> Contender:
+    """A staticrt backend after one warm-up generation (it compiles). The prompt fills its prefill
+    bucket exactly, so prefill times carry no padding. Backend "onnx" exports the model with its
+    cache to a temporary artifact first and runs it in ONNX Runtime with torch's thread count."""
     max_cache_len = max_cache_len or len(prompts[0]) + new_tokens
     if backend == "onnx":
         gen = _onnx_generator(model, CacheSpec(cache, len(prompts), max_cache_len), len(prompts[0]))
@@ -116,19 +139,23 @@ def bench_staticrt(
     start = time.perf_counter()
     tokens = gen.generate(prompts, max_new_tokens=new_tokens)
     warmup_s = time.perf_counter() - start
-    prefill, decode = [], []
-    for _ in range(repeats):
+
+    def run() -> tuple[float, float]:
         gen.generate(prompts, max_new_tokens=new_tokens)
-        prefill.append(gen.last_stats.prefill_s)
-        decode.append(statistics.median(gen.last_stats.decode_s))
-    res = _result(statistics.median(prefill), statistics.median(decode), len(prompts), tokens, warmup_s)
-    if backend != "onnx":
-        res.update(cache_device_bytes=gen.backend.cache.device_bytes(), cache_host_bytes=gen.backend.cache.host_bytes())
-    if backend == "cudagraph" and gen.backend.device.type == "cuda":
-        decode_graph = gen.backend.captured[1, False]  # replays write one slot at a position the run used
-        gpu_s = graph_gpu_s(decode_graph.graph, decode_graph.inputs["write_index"], len(prompts[0]))
-        res.update(graph_gpu_ms=1000 * gpu_s, host_overhead_us=1e6 * (statistics.median(decode) - gpu_s))
-    return res
+        return gen.last_stats.prefill_s, statistics.median(gen.last_stats.decode_s)
+
+    def finish(decode: list[float]) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if backend != "onnx":
+            extra.update(cache_device_bytes=gen.backend.cache.device_bytes(),
+                         cache_host_bytes=gen.backend.cache.host_bytes())
+        if backend == "cudagraph" and gen.backend.device.type == "cuda":
+            decode_graph = gen.backend.captured[1, False]  # replays write one slot at a position the run used
+            gpu_s = graph_gpu_s(decode_graph.graph, decode_graph.inputs["write_index"], len(prompts[0]))
+            extra.update(graph_gpu_ms=1000 * gpu_s, host_overhead_us=1e6 * (statistics.median(decode) - gpu_s))
+        return extra
+
+    return Contender(run, tokens, warmup_s, finish)
 
 
 def _onnx_generator(model: Decoder, spec: CacheSpec, bucket: int) -> Generator:
@@ -213,7 +240,7 @@ class _TokenClock:
         pass
 
 
-def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, Any]:
+def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int) -> Contender:
     """transformers' own static-cache `generate` with its decode step compiled by torch.compile
     (fullgraph, static shapes), on the same weights, timed token by token through a streamer."""
     from transformers import CompileConfig
@@ -231,7 +258,7 @@ def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats:
                   min_new_tokens=new_tokens, cache_implementation="static", compile_config=compile_config,
                   eos_token_id=None, pad_token_id=0)
 
-    def run() -> tuple[float, float, list[list[int]]]:
+    def generate() -> tuple[float, float, list[list[int]]]:
         clock = _TokenClock()
         start = time.perf_counter()
         with torch.no_grad():
@@ -241,10 +268,8 @@ def bench_hf(model: Decoder, prompts: list[list[int]], new_tokens: int, repeats:
         return first - start, float(np.median(gaps)), out[:, ids.shape[1]:].tolist()
 
     start = time.perf_counter()
-    _, _, tokens = run()
-    warmup_s = time.perf_counter() - start
-    runs = [run() for _ in range(repeats)]
-    return _result(statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), len(prompts), tokens, warmup_s)
+    _, _, tokens = generate()
+    return Contender(lambda: generate()[:2], tokens, time.perf_counter() - start)
 
 
 def with_sliding_window(model: Decoder, window: int) -> Decoder:
@@ -311,8 +336,7 @@ def run_bench(
         with_sliding_window(model, window)
     config = model.config
     prompts = bench_prompts(config.vocab_size, batch_size, prompt_len)
-    on_stage("measuring matrix-vector streaming rate")
-    stream_bps = matvec_bytes_per_s(torch_dtype, torch.device(device))
+    probe = StreamProbe(torch_dtype, torch.device(device))
     copy_bps = copy_bytes_per_s(torch.device(device)) if device == "cuda" else None
     weight_bytes = weight_bytes_per_step(model, batch_size)
     # label -> (backend, cache, prompts, max_cache_len, positions a decode step attends to)
@@ -329,19 +353,39 @@ def run_bench(
             runs[f"{name}-sliding"] = (name, "sliding", prompts, prompt_len, window)
             short = [p[: window - new_tokens] for p in prompts]
             runs[f"{name}-static"] = (name, "static", short, window, window)
+    contenders: dict[str, Contender] = {}
+    for label, (backend, cache, run_prompts, max_cache_len, _) in runs.items():
+        on_stage(f"{label}: warm-up (compiles) on {len(run_prompts[0])} prompt + {new_tokens} new tokens")
+        if backend == "hf":
+            contenders[label] = hf_contender(model, run_prompts, new_tokens)
+        else:
+            contenders[label] = staticrt_contender(model, backend, run_prompts, new_tokens, cache, max_cache_len)
+    # Timed rounds take every contender in turn, so a drift of the machine's speed falls on all of
+    # them alike, and the streaming rate is sampled between any two timed generations.
+    timings: dict[str, list[tuple[float, float]]] = {label: [] for label in contenders}
+    bracket: dict[str, set[int]] = {label: set() for label in contenders}  # probe samples around its runs
+    for round_ in range(repeats):
+        on_stage(f"timed round {round_ + 1} of {repeats}: {', '.join(contenders)}")
+        for label, contender in contenders.items():
+            probe.sample()
+            bracket[label].update((len(probe.samples) - 1, len(probe.samples)))
+            timings[label].append(contender.run())
+    probe.sample()
     results: dict[str, Any] = {}
     for label, (backend, cache, run_prompts, max_cache_len, attended) in runs.items():
-        on_stage(f"{label}: warm-up (compiles) and {repeats} timed runs of {len(run_prompts[0])} prompt + "
-                 f"{new_tokens} new tokens")
-        if backend == "hf":
-            res = bench_hf(model, run_prompts, new_tokens, repeats)
-        else:
-            res = bench_staticrt(model, backend, run_prompts, new_tokens, repeats, cache, max_cache_len)
+        contender = contenders[label]
+        decode = [d for _, d in timings[label]]
+        res = _result(statistics.median(p for p, _ in timings[label]), statistics.median(decode), batch_size,
+                      contender.tokens, contender.warmup_s)
+        res.update(contender.finish(decode))
+        samples = [probe.samples[i] for i in sorted(bracket[label])]
+        stream_bps = statistics.median(samples)
         kv_bytes = kv_bytes_per_step(config, batch_size, attended, torch_dtype)
         step_s = res["decode_ms_per_token"] / 1000
         # the weight-streaming bound as the foundation issue defines it, and with the K/V a step reads
         res.update(cache=cache, prompt_len=len(run_prompts[0]), weight_bytes_per_step=weight_bytes,
-                   kv_bytes_per_step=kv_bytes, streaming_fraction=weight_bytes / step_s / stream_bps,
+                   kv_bytes_per_step=kv_bytes, matvec_bytes_per_s=stream_bps, matvec_samples=samples,
+                   streaming_fraction=weight_bytes / step_s / stream_bps,
                    streaming_fraction_with_kv=(weight_bytes + kv_bytes) / step_s / stream_bps)
         if copy_bps:  # the CUDA goal's measure: weight + K/V bytes a step reads against a device copy
             res["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step_s / copy_bps
@@ -364,7 +408,7 @@ def run_bench(
             "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         },
-        "matvec_bytes_per_s": stream_bps,
+        "matvec_bytes_per_s": statistics.median(probe.samples),  # each backend's own is in its entry
         "copy_bytes_per_s": copy_bps,
         "weight_bytes_per_step": weight_bytes,
         "backends": results,

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--repeats", type=int, default=5, help="timed runs per backend after one warm-up")
+    bench.add_argument("--repeats", type=int, default=5,
+                       help="timed rounds after every backend's warm-up; a round runs each backend once, in turn")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--window", type=int, default=None,
@@ -379,10 +380,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         title += f", sliding window {args.window}"
     console.print(_table(title, ["backend", "prompt", "prefill ms", "ms/token", "tok/s", "K/V MB read",
                                  "cache MB device/host", "% bound", "% bound +K/V"], rows))
-    console.print("% bound: weight bytes a decode step reads over the step time, against the streaming rate; "
-                  "+K/V adds the cache the step reads", soft_wrap=True)
+    console.print("% bound: weight bytes a decode step reads over the step time, against the streaming rate "
+                  "sampled before and after each of that backend's timed runs; +K/V adds the cache the step reads",
+                  soft_wrap=True)
+    rates = ", ".join(f"{name} {r['matvec_bytes_per_s'] / 1e9:.1f}" for name, r in report["backends"].items())
     console.print(f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
-                  f"matrix-vector streaming rate: {report['matvec_bytes_per_s'] / 1e9:.1f} GB/s")
+                  f"matrix-vector streaming rate (GB/s): {rates}")
     for key, value in report["ratios"].items():
         console.print(f"{key}: {value:.2f}x")
     if not report["tokens_agree"]:

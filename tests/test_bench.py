@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import statistics
 
 import pytest
 
@@ -22,6 +23,22 @@ def test_sliding_bench_compares_the_same_tokens_as_transformers():
                                      "eager-static_decode_speedup_vs_hf"}
     # K/V read per step: 2 (K and V) x 2 layers x 1 row x 2 heads x 64 positions x 16 dims x 4 bytes
     assert runs["eager-sliding"]["kv_bytes_per_step"] == runs["eager-static"]["kv_bytes_per_step"] == 32768
+
+
+def test_each_backend_is_held_against_the_streaming_rate_sampled_around_its_own_runs():
+    report = run_bench("tiny-llama", ["eager", "compiled"], new_tokens=4, prompt_len=16, repeats=3, device="cpu")
+    eager, compiled = report["backends"]["eager"], report["backends"]["compiled"]
+    # rounds alternate, a sample before every timed run and one after the last: s0 eager s1
+    # compiled s2 eager s3 compiled s4 eager s5 compiled s6; each backend gets the samples around
+    # its own runs
+    assert eager["matvec_samples"][1:] == compiled["matvec_samples"][:-1]
+    assert len(eager["matvec_samples"]) == len(compiled["matvec_samples"]) == 6
+    every = eager["matvec_samples"] + compiled["matvec_samples"][-1:]
+    assert report["matvec_bytes_per_s"] == statistics.median(every)
+    for run in (eager, compiled):
+        assert run["matvec_bytes_per_s"] == statistics.median(run["matvec_samples"])
+        step_s = run["decode_ms_per_token"] / 1000
+        assert run["streaming_fraction"] == run["weight_bytes_per_step"] / step_s / run["matvec_bytes_per_s"]
 
 
 def test_sliding_bench_needs_a_prompt_past_the_window():
