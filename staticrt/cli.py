@@ -385,7 +385,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   soft_wrap=True)
     rates = ", ".join(f"{name} {r['matvec_bytes_per_s'] / 1e9:.1f}" for name, r in report["backends"].items())
     console.print(f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
-                  f"matrix-vector streaming rate (GB/s): {rates}")
+                  f"matrix-vector streaming rate (GB/s): {rates}", soft_wrap=True)
     for key, value in report["ratios"].items():
         console.print(f"{key}: {value:.2f}x")
     if not report["tokens_agree"]:
