@@ -121,6 +121,22 @@ def require_format(folder: Path, manifest: dict[str, Any], backend: str | None) 
         )
 
 
+class ArtifactBackend:
+    """What every backend over an artifact reads off its manifest: the limits the generation loop
+    checks (`StepBackend`'s fields), once an artifact without `format` has been refused."""
+
+    def __init__(self, folder: str | Path, format: str, manifest: dict[str, Any] | None = None) -> None:
+        self.folder = Path(folder)
+        self.manifest = manifest or read_manifest(self.folder)
+        require_format(self.folder, self.manifest, format)
+        cache = self.manifest["cache"]
+        self.kind = cache["kind"]
+        self.batch_size = cache["max_batch_size"]
+        self.max_cache_len = cache["max_cache_len"]
+        self.max_sequence_len = cache["max_sequence_len"]
+        self.vocab_size = self.manifest["model"]["config"]["vocab_size"]
+
+
 def load_artifact(path: str | Path, backend: str | None = None, threads: int | None = None) -> Any:
     """A `Generator` over the artifact in `path`, checked first (manifest, hashes).
 

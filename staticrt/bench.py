@@ -475,10 +475,8 @@ def cold_start(artifact: Path, formats: Sequence[str] = ("aoti",), on_stage: STA
     machine: ~20 s on 2 cores, reported as `isa_probe_s`), so the compiled backend reuses no compiled
     graph and the artifact no loader state: program-cold, machine-warm.
     """
-    import shutil
     import subprocess
     import sys
-    import tempfile
 
     from .artifact import read_manifest
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ..artifact import ARTIFACT_BACKENDS
 from ..generate import GenerationError, StepBackend
 
 BACKENDS = {
@@ -17,11 +18,8 @@ BACKENDS = {
 CUDA_ONLY = ("cudagraph", "reduce-overhead")  # on a CPU these run the compiled path
 
 
-ARTIFACT_ONLY = ("aoti", "pt2", "onnx")  # run exported artifacts: artifact.load_artifact
-
-
 def create_backend(name: str, model: Any, **options: Any) -> StepBackend:
-    if name in ARTIFACT_ONLY:
+    if name in ARTIFACT_BACKENDS:  # they run exported artifacts: artifact.load_artifact
         raise GenerationError(
             f"backend {name!r} runs an exported artifact, not a model: export one (`staticrt export`, "
             f"format {name}) and load it with staticrt.load_artifact(path, backend={name!r}) or "

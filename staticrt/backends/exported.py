@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..artifact import ArtifactError, program_name, read_manifest, require_format
+from ..artifact import ArtifactBackend, ArtifactError, program_name
 from ..generate import GenerationError, SamplingParams, check_positions
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,15 +75,12 @@ def _pt2_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
     return module
 
 
-class ExportedBackend:
+class ExportedBackend(ArtifactBackend):
     """A `StepBackend` over an artifact folder written by `staticrt export`."""
 
-    name = "exported"
-
     def __init__(self, folder: str | Path, format: str = "aoti", manifest: dict[str, Any] | None = None) -> None:
-        folder = Path(folder)
-        manifest = manifest or read_manifest(folder)
-        require_format(folder, manifest, format)
+        super().__init__(folder, format, manifest)
+        folder, manifest = self.folder, self.manifest
         assert format in ("aoti", "pt2"), f"format {format!r} is not a torch program format; onnx runs on OnnxBackend"
         if manifest.get("device", "cpu") != "cpu":
             raise ArtifactError(f"{folder} was exported for {manifest['device']}; this backend runs CPU artifacts")
@@ -97,15 +94,8 @@ class ExportedBackend:
         load = _aoti_program if format == "aoti" else _pt2_program
         self.programs = {name: load(folder / format / f"{name}.pt2", self.constants) for name in manifest["programs"]}
         self.cache_state = [t for name, t in self.constants.items() if name.startswith("cache.")]
-        cache = manifest["cache"]
         self.name = f"exported-{format}"
-        self.kind = cache["kind"]
-        self.batch_size = cache["max_batch_size"]
-        self.max_cache_len = cache["max_cache_len"]
-        self.max_sequence_len = cache["max_sequence_len"]
-        self.vocab_size = manifest["model"]["config"]["vocab_size"]
         self.buckets = tuple(manifest["prefill_buckets"])
-        self.manifest = manifest
 
     def reset(self) -> None:
         for tensor in self.cache_state:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..artifact import ArtifactError, read_manifest, require_format
+from ..artifact import ArtifactBackend, ArtifactError
 from ..generate import SamplingParams, check_positions
 from ..host_sampling import greedy, sample
 
@@ -46,7 +46,7 @@ def _session(path: Path, section: dict[str, Any], threads: int | None, device: s
         ) from None
 
 
-class OnnxBackend:
+class OnnxBackend(ArtifactBackend):
     """A `StepBackend` over the ONNX graph of an artifact folder written by `staticrt export --format onnx`."""
 
     name = "onnx"
@@ -60,9 +60,8 @@ class OnnxBackend:
     ) -> None:
         import onnxruntime as ort
 
-        folder = Path(folder)
-        manifest = manifest or read_manifest(folder)
-        require_format(folder, manifest, "onnx")
+        super().__init__(folder, "onnx", manifest)
+        folder, manifest = self.folder, self.manifest
         section = manifest["onnx"]
         available = ort.get_available_providers()
         device = device or ("cuda" if "CUDAExecutionProvider" in available and _has_cuda_device() else "cpu")
@@ -72,16 +71,8 @@ class OnnxBackend:
         graphs = device == "cuda" and manifest["cache"]["max_sequence_len"] is not None
         self.session = _session(folder / section["graph"], section, threads, device, graphs)
         self.device = device
-        cache = manifest["cache"]
-        self.kind = cache["kind"]
-        self.batch_size = cache["max_batch_size"]
-        self.max_cache_len = cache["max_cache_len"]
-        self.max_sequence_len = cache["max_sequence_len"]
-        config = manifest["model"]["config"]
-        self.vocab_size = config["vocab_size"]
         # The graph takes any prompt width; the loop's padding is stripped in `_step_inputs`.
-        self.buckets = (self.max_sequence_len or config["max_position_embeddings"],)
-        self.manifest = manifest
+        self.buckets = (self.max_sequence_len or manifest["model"]["config"]["max_position_embeddings"],)
         self.caches: dict[str, Any] = {}  # past input name -> its OrtValue [B, H_kv, N_i, D]
         self.binding = self.session.io_binding()
         for spec in section["inputs"]:
