@@ -42,21 +42,29 @@ def test_seeded_sampling_is_reproducible_and_backend_independent(tiny):
 
 
 def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(monkeypatch):
+    from staticrt.backends.compiled import CompiledBackend
+
     model = staticrt.load_model("tiny-llama")
     compiled = staticrt.Generator(model, max_batch_size=1, max_cache_len=64, backend="compiled")
     eager = staticrt.Generator(model, max_batch_size=1, max_cache_len=64)
-    stances = []
-    set_stance = torch.compiler.set_stance
+    direct_calls = []
+    checked_code = CompiledBackend._checked_code
 
-    def recording_set_stance(*args, **kwargs):
-        stances.append(kwargs)
-        return set_stance(*args, **kwargs)
+    def counting_checked_code(graph):
+        code = checked_code(graph)
 
-    monkeypatch.setattr(torch.compiler, "set_stance", recording_set_stance)
+        def counted(*args):
+            direct_calls.append(code.__name__)
+            return code(*args)
+
+        return counted
+
+    monkeypatch.setattr(CompiledBackend, "_checked_code", staticmethod(counting_checked_code))
     prompt = [[5, 6, 7]]
     first = compiled.generate(prompt, max_new_tokens=10)
-    # prefill and the first decode step check their guards; the other 8 decode steps skip them
-    assert stances == [{"skip_guard_eval_unsafe": True}] * 8
+    # prefill and the first decode step go through dynamo's guards; the other 8 decode steps
+    # call the code whose guards passed
+    assert direct_calls == ["run_step_decode_greedy"] * 8
     assert first == eager.generate(prompt, max_new_tokens=10)
     # Between generations the model changes in a way the graphs depend on: the head goes from the
     # column-major layout the CPU loader gives it back to row-major. The next generation checks
@@ -65,6 +73,12 @@ def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(mon
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     assert not head.is_contiguous()
     head.data = head.data.contiguous()
-    stances.clear()
+    direct_calls.clear()
     assert compiled.generate(prompt, max_new_tokens=10) == first
-    assert stances == [{"skip_guard_eval_unsafe": True}] * 8
+    assert direct_calls == ["run_step_decode_greedy"] * 8
+    # Back to column-major: dynamo hits the first graph again, and its code is the one called
+    # directly after it (dynamo keeps the entry it used first in its list).
+    head.data = head.data.t().contiguous().t()
+    direct_calls.clear()
+    assert compiled.generate(prompt, max_new_tokens=10) == first
+    assert direct_calls == ["run_step_decode_greedy"] * 8
