@@ -24,6 +24,21 @@ def forward_fn(backend: str):
     return torch.compile(logits, fullgraph=True, dynamic=False)
 
 
+@pytest.mark.parametrize("family", FAMILIES + ("llama-linear-tied",))
+def test_state_dict_is_the_checkpoints(hf_checkpoints, family):
+    """q/k/v and gate/up load into one fused matrix each, yet `state_dict` gives back the
+    checkpoint's tensors under the checkpoint's names and in its order (Qwen2's q/k/v biases too)."""
+    folder, hf = hf_checkpoints[family]
+    model = staticrt.load_model(folder)
+    theirs = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del theirs["lm_head.weight"]
+    ours = model.state_dict()
+    assert list(ours) == list(theirs)
+    assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
+    assert {name for name, _ in model.named_parameters()} >= {"layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight"}
+
+
 # The linear-RoPE / tied / MQA Llama variant runs eager only: its compiled graph is the Llama one.
 LOGIT_CASES = [(f, b) for f in FAMILIES for b in ("eager", "compiled")] + [("llama-linear-tied", "eager")]
 

@@ -24,7 +24,7 @@ def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
 
 class CompiledBackend(EagerBackend):
     name = "compiled"
-    # The C++ wrapper calls the step's ~60 GEMMs and fused kernels without a Python round trip
+    # The C++ wrapper calls the step's GEMMs and fused kernels without a Python round trip
     # each: on bench-llama (2 CPU threads) decode went from ~10.5 to ~8 ms/token. Inductor's
     # `freezing` (constant weights, MKL pre-packing) measured no faster once the weights are
     # column-major (see `use_column_major_weights`), and costs compile time and a weight copy.
