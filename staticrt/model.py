@@ -28,6 +28,11 @@ class StepMetadata:
     sin: torch.Tensor  # [B, 1, T, D]
     masks: dict[tuple[str, bool], torch.Tensor]  # cache.mask_key(layer) -> bool [B, 1, T, L_layer (+ T)]
 
+    @property
+    def batch_steps(self) -> tuple[int, int]:
+        """(B, T): layers see the step's tokens flattened to `[B*T, C]` and regroup them for attention."""
+        return self.cos.shape[0], self.cos.shape[2]
+
 
 class RMSNorm(nn.Module):
     """RMSNorm in float32. `offset` 0 is Llama's `w * x`; 1 is Gemma2's `(1 + w) * x`, which
@@ -137,7 +142,7 @@ class Attention(nn.Module):
         name_fused_parts_apart(self)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
-        batch, steps, _ = x.shape  # x [B, T, C]
+        batch, steps = meta.batch_steps  # x [B*T, C]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
         q, k, v = self.qkv_proj(x)
@@ -172,7 +177,7 @@ class Attention(nn.Module):
         if not write_first:
             out = out + probs[..., held:] @ v
             cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
-        out = out.view(batch, heads, steps, dim).transpose(1, 2).reshape(batch, steps, heads * dim)
+        out = out.view(batch, heads, steps, dim).transpose(1, 2).reshape(batch * steps, heads * dim)
         return self.o_proj(out)
 
 
@@ -242,7 +247,11 @@ class Decoder(nn.Module):
             num_new = torch.full((batch,), steps, dtype=torch.int64, device=input_ids.device)
         if positions is None:
             positions = write_index[:, None] + torch.arange(steps, device=input_ids.device)  # [B, T]
-        x = self.embed_tokens(input_ids)  # [B, T, C]
+        # The tokens stay flattened, `[B*T, C]`, through every layer: each projection is then a
+        # plain matrix product on a row-major buffer. (A `[B, T, C]` buffer with B = T = 1 reaches
+        # inductor's CPU matmul as a `[1, C]` view with stride 0, which BLAS refuses and ATen copies
+        # first: 25 copies a bench-llama decode step.)
+        x = self.embed_tokens(input_ids.reshape(batch * steps))  # [B*T, C]
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         meta = self.step_metadata(cache, write_index, num_new, positions, x.dtype)
@@ -250,14 +259,14 @@ class Decoder(nn.Module):
             x = layer(x, meta, cache)
         if last_only:
             last = (num_new - 1).clamp(min=0)
-            x = x[torch.arange(batch, device=x.device), last][:, None]  # [B, 1, C]
+            x = x.view(batch, steps, -1)[torch.arange(batch, device=x.device), last]  # [B, C]
         x = self.norm(x)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head)
+        logits = F.linear(x, head)  # [B, V] or [B*T, V]
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return logits[:, 0] if last_only else logits
+        return logits if last_only else logits.view(batch, steps, -1)
 
 
 def use_column_major_weights(model: Decoder) -> Decoder:
