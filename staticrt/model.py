@@ -2,9 +2,9 @@
 
 Module names follow transformers' checkpoints (`embed_tokens`, `layers.N.self_attn.o_proj`, ...)
 so a safetensors file loads by name; q/k/v and gate/up are each one `FusedLinear`, whose parts
-`state_dict` and `load_state_dict` still name as checkpoints do (`q_proj`, `gate_proj`, ...). What a step needs (positions, RoPE tables, masks, write
-indices) is computed once per step into `StepMetadata` and handed to every layer, as in
-mistral-inference; layers never rebuild it.
+`state_dict` and `load_state_dict` still name as checkpoints do (`q_proj`, `gate_proj`, ...).
+What a step needs (positions, RoPE tables, masks, write indices) is computed once per step into
+`StepMetadata` and handed to every layer, as in mistral-inference; layers never rebuild it.
 """
 
 from __future__ import annotations
