@@ -19,18 +19,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from .errors import ArtifactError
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 REQUIRED_FIELDS = ("schema_version", "versions", "model", "cache", "formats", "files")
+# Artifact formats, each run by the backend of its name (runtime.py), in the order a default is picked.
+FORMATS = ("aoti", "pt2", "onnx")
 
 
-def program_name(steps: int) -> str:
-    """The name of the program that runs a step of `steps` tokens a row: `decode` or `prefill_N`."""
-    return "decode" if steps == 1 else f"prefill_{steps}"
-
-
-class ArtifactError(ValueError):
-    """An artifact that cannot be written or loaded as asked; names the file or field and the fix."""
+def program_name(seq_len: int) -> str:
+    """The name of the program that runs a step of `seq_len` tokens a row: `decode` or `prefill_N`."""
+    return "decode" if seq_len == 1 else f"prefill_{seq_len}"
 
 
 def sha256(path: Path) -> str:
@@ -108,51 +108,11 @@ def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
     return manifest
 
 
-ARTIFACT_BACKENDS = ("aoti", "pt2", "onnx")  # in the order a default is picked
-
-
 def require_format(folder: Path, manifest: dict[str, Any], backend: str | None) -> None:
     """Refuse to run `backend` on an artifact that does not hold its format; every backend checks here."""
-    held = [b for b in ARTIFACT_BACKENDS if b in manifest["formats"]]
+    held = [b for b in FORMATS if b in manifest["formats"]]
     if backend not in held:
         raise ArtifactError(
             f"{folder} holds format(s) {', '.join(manifest['formats'])}, not {backend!r}; run it with one of "
             f"{', '.join(held)} or re-export with --format {backend}"
         )
-
-
-class ArtifactBackend:
-    """What every backend over an artifact reads off its manifest: the limits the generation loop
-    checks (`StepBackend`'s fields), once an artifact without `format` has been refused."""
-
-    def __init__(self, folder: str | Path, format: str, manifest: dict[str, Any] | None = None) -> None:
-        self.folder = Path(folder)
-        self.manifest = manifest or read_manifest(self.folder)
-        require_format(self.folder, self.manifest, format)
-        cache = self.manifest["cache"]
-        self.kind = cache["kind"]
-        self.batch_size = cache["max_batch_size"]
-        self.max_cache_len = cache["max_cache_len"]
-        self.max_sequence_len = cache["max_sequence_len"]
-        self.vocab_size = self.manifest["model"]["config"]["vocab_size"]
-
-
-def load_artifact(path: str | Path, backend: str | None = None, threads: int | None = None) -> Any:
-    """A `Generator` over the artifact in `path`, checked first (manifest, hashes).
-
-    `backend` picks what runs: "aoti" (AOTInductor packages), "pt2" (torch.export programs) or
-    "onnx" (ONNX Runtime; imports neither torch nor the model code); by default the first of those
-    the artifact holds. `threads` sets ONNX Runtime's intra-op threads (torch's are torch's).
-    """
-    from .generate import Generator
-
-    folder = Path(path)
-    manifest = read_manifest(folder)
-    backend = backend or next((b for b in ARTIFACT_BACKENDS if b in manifest["formats"]), None)
-    if backend == "onnx":
-        from .backends.onnx import OnnxBackend
-
-        return Generator(OnnxBackend(folder, manifest, threads=threads))
-    from .backends.exported import ExportedBackend
-
-    return Generator(ExportedBackend(folder, backend, manifest))

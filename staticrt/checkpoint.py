@@ -11,27 +11,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import PRESETS, ModelConfig, load_hf_config
-from .tokenizer import load_tokenizer
+from .config import ModelConfig, load_hf_config
+from .presets import PRESETS
+from .dtypes import resolve_dtype
+from .errors import CheckpointError
 from .model import Decoder, init_random, use_column_major_weights
 from .rope import inverse_frequencies
+from .tokenizer import load_tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded, naming the file or tensor and the fix."""
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}") from None
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -12,12 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
+
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 LAYER_KINDS = ("full_attention", "sliding_attention")
-
-
-class ConfigError(ValueError):
-    """A config that staticrt cannot run, with the field at fault and the way out."""
 
 
 @dataclass(frozen=True)
@@ -193,75 +191,41 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     )
 
 
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The transformers config.json that describes the same model: `config_from_hf`'s inverse, so
+    presets run in transformers (the benchmark's `hf` backend)."""
+    rope: dict[str, Any] = {"rope_type": config.rope.kind, "rope_theta": config.rope.theta}
+    if config.rope.kind != "default":
+        rope["factor"] = config.rope.factor
+    if config.rope.kind == "llama3":
+        rope.update(low_freq_factor=config.rope.low_freq_factor, high_freq_factor=config.rope.high_freq_factor,
+                    original_max_position_embeddings=config.rope.original_max_position_embeddings)
+    cfg = {
+        "model_type": config.family, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias, "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0,
+    }
+    if config.sliding_window is not None:
+        cfg["sliding_window"] = config.sliding_window
+        if config.family != "mistral":  # Mistral windows every layer and takes no layer_types
+            cfg["layer_types"] = list(config.layer_types)
+    if config.family == "gemma2":
+        cfg.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
+                   attn_logit_softcapping=config.attn_logit_softcapping,
+                   final_logit_softcapping=config.final_logit_softcapping)
+    else:
+        cfg["hidden_act"] = config.hidden_act
+    if config.family == "qwen2":
+        cfg["use_sliding_window"] = config.sliding_window is not None
+    return cfg
+
+
 def load_hf_config(folder: Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{folder}: no config.json; a Hugging Face checkpoint folder needs one")
     return config_from_hf(json.loads(path.read_text()), source=str(path))
-
-
-def _tiny(family: str, **overrides: Any) -> ModelConfig:
-    base: dict[str, Any] = dict(
-        family=family,
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        eos_token_ids=(),
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
-
-
-# Built-in presets: seeded random weights, no files. The tiny ones serve the demo and tests;
-# `bench-llama` is the Llama shape the foundation benchmark is defined on; `bench-1b` is a
-# Llama-3.2-1B shape (1.24e9 parameters) for the CUDA-graph benchmark.
-PRESETS: dict[str, ModelConfig] = {
-    "tiny-llama": _tiny("llama"),
-    "tiny-mistral": _tiny("mistral", sliding_window=64, layer_types=("sliding_attention",) * 2),
-    "tiny-qwen2": _tiny("qwen2", qkv_bias=True),
-    "tiny-gemma2": _tiny(
-        "gemma2",
-        hidden_act="gelu_pytorch_tanh",
-        tie_word_embeddings=True,
-        norm_offset=1.0,
-        scale_embeddings=True,
-        sandwich_norms=True,
-        query_pre_attn_scalar=16,
-        attn_logit_softcapping=50.0,
-        final_logit_softcapping=30.0,
-        sliding_window=64,
-        layer_types=("sliding_attention", "full_attention"),
-    ),
-    "bench-llama": ModelConfig(
-        family="llama",
-        vocab_size=32000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        rope=RopeConfig(theta=500000.0),
-    ),
-    "bench-1b": ModelConfig(
-        family="llama",
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope=RopeConfig(theta=500000.0),
-    ),
-}

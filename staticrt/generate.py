@@ -15,11 +15,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from .errors import GenerationError
+
 StreamCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
-
-
-class GenerationError(ValueError):
-    """A bad generation request, raised before any state changes; names the input and the limit."""
+MAX_NEW_TOKENS = 32  # what a generation asks for when nobody says (the Python API and `staticrt run`)
 
 
 @dataclass(frozen=True)
@@ -45,19 +44,24 @@ class StepBackend(Protocol):
     """What the loop needs of a backend; caches and graphs stay behind it."""
 
     name: str
+    cache_kind: str  # the cache it runs: "static", "sliding", ...
     batch_size: int
     max_cache_len: int
     max_sequence_len: int | None  # positions a row can reach; None when the cache never runs out
     vocab_size: int
+    eos_token_ids: tuple[int, ...]  # the model's end-of-sequence ids, the default stop tokens
     buckets: tuple[int, ...]
 
     def reset(self) -> None: ...
+
+    def report(self) -> dict[str, Any]:
+        """What a benchmark reads off the backend after its runs (cache bytes, graph GPU time)."""
 
     def step(
         self,
         input_ids: np.ndarray,  # [B, T] int64
         write_index: np.ndarray,  # [B] int64
-        num_new: np.ndarray,  # [B] int64, real tokens per row in this step
+        num_new: np.ndarray,  # [B] int64, real tokens a row in this step
         sampling: SamplingParams,
         uniforms: np.ndarray | None,  # [B] float32 when sampling
     ) -> np.ndarray: ...  # [B] int64
@@ -81,23 +85,6 @@ def default_buckets(max_cache_len: int, smallest: int = 16) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return tuple(sizes) + (max_cache_len,)
-
-
-def check_positions(
-    write_index: Sequence[int], steps: int, limit: int | None, kind: str, error: type[Exception] = GenerationError
-) -> None:
-    """Refuse, on the host and before anything runs, a step of `steps` tokens per row at
-    `write_index` that would write past position `limit - 1` of a `kind` cache (None: no limit).
-    A compiled graph or an exported program cannot raise on data, so every backend checks here."""
-    if limit is None:
-        return
-    for row, start in enumerate(write_index):
-        if int(start) + steps > limit:
-            raise error(
-                f"row {row} writes positions {int(start)}..{int(start) + steps - 1}, but this {kind} "
-                f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); build it with a larger "
-                "max_cache_len"
-            )
 
 
 def validate_request(
@@ -194,57 +181,3 @@ def generate_tokens(
         stats.decode_s.append(time.perf_counter() - start)
         write_index += 1
     return out
-
-
-class Generator:
-    """A model bound to a cache and a backend, for repeated generation with fixed shapes.
-
-    `model` is a `Decoder` (from `staticrt.load_model`) or an already built `StepBackend`.
-    `cache` is "static", "sliding" (every layer a rotating buffer of `window` slots), "hybrid"
-    (rotating buffers for sliding layers only), "offloaded" (every layer's K/V in host memory,
-    two device working buffers), "offloaded-hybrid" (a hybrid cache with its global layers
-    offloaded) or "auto" (what the model's config implies); or a cache already built (e.g.
-    `staticrt.build_cache(model.config, ...)`), whose spec then sets batch size, length and window.
-    `window` defaults to the model's `sliding_window`; `max_batch_size` to 1. Building the torch
-    backends imports torch; this module itself does not.
-    """
-
-    def __init__(
-        self,
-        model: Any,
-        cache: Any = "static",
-        max_batch_size: int | None = None,
-        max_cache_len: int | None = None,
-        backend: str = "eager",
-        prefill_buckets: Sequence[int] | None = None,
-        window: int | None = None,
-    ) -> None:
-        if hasattr(model, "step") and hasattr(model, "buckets"):
-            self.backend: StepBackend = model
-        else:
-            from .backends import create_backend
-
-            self.backend = create_backend(
-                backend, model, cache=cache, max_batch_size=max_batch_size,
-                max_cache_len=max_cache_len, prefill_buckets=prefill_buckets, window=window,
-            )
-        self.last_stats = GenerationStats()
-
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int = 32,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop_token_ids: Sequence[int] = (),
-        stream: StreamCallback | None = None,
-    ) -> list[list[int]]:
-        """New token ids per prompt; timings of the call land in `self.last_stats`."""
-        sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed)
-        self.last_stats = GenerationStats()
-        return generate_tokens(
-            self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, self.last_stats
-        )

@@ -3,35 +3,23 @@
 Module names follow transformers' checkpoints (`embed_tokens`, `layers.N.self_attn.o_proj`, ...)
 so a safetensors file loads by name; q/k/v and gate/up are each one `FusedLinear`, whose parts
 `state_dict` and `load_state_dict` still name as checkpoints do (`q_proj`, `gate_proj`, ...).
-What a step needs (positions, RoPE tables, masks, write indices) is computed once per step into
-`StepMetadata` and handed to every layer, as in mistral-inference; layers never rebuild it.
+What a step needs (positions, masks, write indices) is computed once per step by the cache
+(`KVCache.begin_step`), the RoPE tables once by the decoder; each layer gets them and its own
+`LayerView` of the cache, as in mistral-inference. The model never knows which cache it runs.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .caches.base import KVCache
+from .caches.view import LayerView
 from .config import ModelConfig
 from .rope import apply_rope, inverse_frequencies, rope_tables
 
-
-@dataclass
-class StepMetadata:
-    write_index: torch.Tensor  # [B] int64: tokens each row already holds in the cache
-    num_new: torch.Tensor  # [B] int64: real tokens each row adds this step (the rest is padding)
-    cos: torch.Tensor  # [B, 1, T, D]
-    sin: torch.Tensor  # [B, 1, T, D]
-    masks: dict[tuple[str, bool], torch.Tensor]  # cache.mask_key(layer) -> bool [B, 1, T, L_layer (+ T)]
-
-    @property
-    def batch_steps(self) -> tuple[int, int]:
-        """(B, T): layers see the step's tokens flattened to `[B*T, C]` and regroup them for attention."""
-        return self.cos.shape[0], self.cos.shape[2]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, 1, T, D], one pair a step for every layer
 
 
 class RMSNorm(nn.Module):
@@ -54,9 +42,8 @@ class RMSNorm(nn.Module):
 
 class FusedLinear(nn.Linear):
     """Projections of one input held as one matrix, so that a decode step reads it with one
-    matrix-vector product instead of several: on CPU each BLAS call has a fixed cost of a few µs,
-    large next to the 0.25–3 MB matrices of a small model (bench-llama, 2 threads: decode ~3%
-    faster with q/k/v and gate/up fused), and on GPU each is a kernel launch. `parts` maps each
+    matrix-vector product instead of several: on CPU each BLAS call has a fixed cost, large next to
+    the small matrices of a small model (docs/measurements.md), and on GPU each is a kernel launch. `parts` maps each
     part's checkpoint name to its output size, in order; `forward` returns the parts' outputs.
 
     Checkpoints name the parts apart (`q_proj`, `k_proj`, ...): the owning module translates with
@@ -83,11 +70,11 @@ def _split_fused(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix:
     items = dict(state_dict)
     state_dict.clear()
     for key, value in items.items():
-        owner, _, kind = key.rpartition(".")
+        owner, _, field = key.rpartition(".")
         child = fused.get(owner)
         if child is None:
             state_dict[key] = value
-        elif kind == "weight":
+        elif field == "weight":
             sizes = list(child.parts.values())
             biases = items[f"{owner}.bias"].split(sizes) if child.bias is not None else [None] * len(sizes)
             for part, weight, bias in zip(child.parts, value.split(sizes), biases):
@@ -100,10 +87,10 @@ def _join_fused(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: 
     """load_state_dict pre-hook: parts given under their checkpoint names are concatenated into
     the fused tensor; a checkpoint missing a part is left for the strict check to name."""
     for owner, child in _fused_children(module, prefix).items():
-        for kind in ("weight", "bias") if child.bias is not None else ("weight",):
-            names = [f"{prefix}{part}.{kind}" for part in child.parts]
+        for field in ("weight", "bias") if child.bias is not None else ("weight",):
+            names = [f"{prefix}{part}.{field}" for part in child.parts]
             if all(name in state_dict for name in names):
-                state_dict[f"{owner}.{kind}"] = torch.cat([state_dict.pop(name) for name in names])
+                state_dict[f"{owner}.{field}"] = torch.cat([state_dict.pop(name) for name in names])
 
 
 def name_fused_parts_apart(module: nn.Module) -> None:
@@ -141,43 +128,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, c.hidden_size, bias=c.attention_bias)
         name_fused_parts_apart(self)
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
-        batch, steps = meta.batch_steps  # x [B*T, C]
+    def forward(self, x: torch.Tensor, rope: Rope, view: LayerView) -> torch.Tensor:
+        batch, seq_len = view.meta.batch, view.meta.seq_len  # x [B*T, C]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
         q, k, v = self.qkv_proj(x)
-        q = q.view(batch, steps, heads, dim).transpose(1, 2)  # [B, H, T, D]
-        k = k.view(batch, steps, kv_heads, dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = v.view(batch, steps, kv_heads, dim).transpose(1, 2)
-        q = apply_rope(q, meta.cos, meta.sin)
-        k = apply_rope(k, meta.cos, meta.sin)
-        # Write, then attend to the buffer; or, where a write could clobber what this step's
-        # queries need (a rotating layer in a multi-token step), attend to the buffer as it was
-        # plus the step's own K/V and write afterwards (caches/base.py says why both).
-        cache.load_layer(self.layer_idx, x)  # an offloaded layer's K/V arrives from the host here
-        write_first = cache.writes_first(self.layer_idx, steps)
-        if write_first:
-            cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
-        keys, values = cache.layer_buffers(self.layer_idx)  # [B, Hkv, L, D]
-        held = keys.shape[2]
+        q = apply_rope(q.view(batch, seq_len, heads, dim).transpose(1, 2), *rope)  # [B, H, T, D]
+        k = apply_rope(k.view(batch, seq_len, kv_heads, dim).transpose(1, 2), *rope)  # [B, Hkv, T, D]
+        v = v.view(batch, seq_len, kv_heads, dim).transpose(1, 2)
         # GQA without repeating K/V: the G query heads that share a KV head are stacked along the
         # query axis, so one batched matmul per KV head reads the cache once.
-        q = q.reshape(batch, kv_heads, group * steps, dim)
-        scores = q @ keys.transpose(-1, -2)  # [B, Hkv, G*T, L]
-        if not write_first:
-            scores = torch.cat([scores, q @ k.transpose(-1, -2)], dim=-1)  # [B, Hkv, G*T, L + T]
-        scores = scores * self.scale
-        length = scores.shape[-1]
+        q = q.reshape(batch, kv_heads, group * seq_len, dim)
+        scores = view.scores(q, k, v) * self.scale  # [B, Hkv, G*T, L (+ T)]; writes first where exact
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
-        mask = meta.masks[cache.mask_key(self.layer_idx)][:, :, None]  # [B, 1, 1, T, length]
-        scores = scores.view(batch, kv_heads, group, steps, length).masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * steps, length)
-        out = probs[..., :held] @ values  # [B, Hkv, G*T, D]
-        if not write_first:
-            out = out + probs[..., held:] @ v
-            cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
-        out = out.view(batch, heads, steps, dim).transpose(1, 2).reshape(batch * steps, heads * dim)
+        length = scores.shape[-1]
+        scores = scores.view(batch, kv_heads, group, seq_len, length).masked_fill(~view.mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * seq_len, length)
+        out = view.weigh(probs, k, v)  # [B, Hkv, G*T, D]; a step that read first writes here
+        out = out.view(batch, heads, seq_len, dim).transpose(1, 2).reshape(batch * seq_len, heads * dim)
         return self.o_proj(out)
 
 
@@ -196,8 +165,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
 
-    def forward(self, x: torch.Tensor, meta: StepMetadata, cache: KVCache) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), meta, cache)
+    def forward(self, x: torch.Tensor, rope: Rope, view: LayerView) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), rope, view)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -217,15 +186,6 @@ class Decoder(nn.Module):
         )
         self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
 
-    def step_metadata(
-        self, cache: KVCache, write_index: torch.Tensor, num_new: torch.Tensor, positions: torch.Tensor,
-        dtype: torch.dtype,
-    ) -> StepMetadata:
-        cos, sin = rope_tables(positions, self.inv_freq, dtype)
-        cache.begin_step(write_index, num_new)
-        masks = cache.attention_masks(positions)
-        return StepMetadata(write_index=write_index, num_new=num_new, cos=cos, sin=sin, masks=masks)
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -233,40 +193,35 @@ class Decoder(nn.Module):
         cache: KVCache,
         num_new: torch.Tensor | None = None,
         last_only: bool = True,
-        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run `input_ids [B, T]` at positions `write_index[b] + t`, writing the cache in place.
 
         `num_new [B]` counts each row's real tokens (the rest is right padding; default T). Returns
         logits `[B, V]` at each row's last real token, or `[B, T, V]` with `last_only=False`.
-        `positions [B, T]` overrides the RoPE positions where slots and positions differ (the ONNX
-        graphs' padded rows, exporters/onnx_export.py).
         """
-        batch, steps = input_ids.shape
+        batch, seq_len = input_ids.shape
         if num_new is None:
-            num_new = torch.full((batch,), steps, dtype=torch.int64, device=input_ids.device)
-        if positions is None:
-            positions = write_index[:, None] + torch.arange(steps, device=input_ids.device)  # [B, T]
+            num_new = torch.full((batch,), seq_len, dtype=torch.int64, device=input_ids.device)
         # The tokens stay flattened, `[B*T, C]`, through every layer: each projection is then a
-        # plain matrix product on a row-major buffer. (A `[B, T, C]` buffer with B = T = 1 reaches
-        # inductor's CPU matmul as a `[1, C]` view with stride 0, which BLAS refuses and ATen copies
-        # first: 25 copies a bench-llama decode step.)
-        x = self.embed_tokens(input_ids.reshape(batch * steps))  # [B*T, C]
+        # plain matrix product on a row-major buffer (a `[B, T, C]` buffer with B = T = 1 reaches
+        # inductor's CPU matmul as a `[1, C]` view with stride 0, which ATen copies before BLAS).
+        x = self.embed_tokens(input_ids.reshape(batch * seq_len))  # [B*T, C]
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        meta = self.step_metadata(cache, write_index, num_new, positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, meta, cache)
+        meta = cache.begin_step(write_index, num_new, seq_len)
+        rope = rope_tables(meta.positions, self.inv_freq, x.dtype)  # cos, sin [B, 1, T, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache.view(i, meta, x))
         if last_only:
             last = (num_new - 1).clamp(min=0)
-            x = x.view(batch, steps, -1)[torch.arange(batch, device=x.device), last]  # [B, C]
+            x = x.view(batch, seq_len, -1)[torch.arange(batch, device=x.device), last]  # [B, C]
         x = self.norm(x)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(x, head)  # [B, V] or [B*T, V]
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return logits if last_only else logits.view(batch, steps, -1)
+        return logits if last_only else logits.view(batch, seq_len, -1)
 
 
 def use_column_major_weights(model: Decoder) -> Decoder:
@@ -274,8 +229,8 @@ def use_column_major_weights(model: Decoder) -> Decoder:
 
     Decode at small batch is one matrix-vector product per weight, bound by how fast the weights
     stream. CPU BLAS streams a matrix whose input dimension is the slow one ([in, out]
-    contiguous) about a quarter faster than the [out, in] layout checkpoints use (bench-llama
-    weights, 2 threads: 24.0 vs 19.6 GB/s). Shapes and values are unchanged, so `state_dict`,
+    contiguous) about a quarter faster than the [out, in] layout checkpoints use
+    (docs/measurements.md). Shapes and values are unchanged, so `state_dict`,
     checkpoints and the model code are unaffected; only strides change. An untied embedding table
     is only gathered from, row by row, so it keeps its row-major layout.
     """

@@ -15,9 +15,9 @@ def cache_write(buffer: torch.Tensor, new: torch.Tensor, write_index: torch.Tens
     on data, so the bound is checked on the host before the step. In circular mode T <= L keeps
     the slots distinct.
     """
-    batch, _, steps, _ = new.shape
+    batch, _, seq_len, _ = new.shape
     rows = torch.arange(batch, device=buffer.device)[:, None]  # [B, 1]
-    slots = write_index[:, None] + torch.arange(steps, device=buffer.device)  # [B, T]
+    slots = write_index[:, None] + torch.arange(seq_len, device=buffer.device)  # [B, T]
     if circular:
         slots = torch.remainder(slots, buffer.shape[2])
     # Advanced indices on dims 0 and 2 with a slice between put the indexed dims first: [B, T, H, D].

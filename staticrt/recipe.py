@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .artifact import ArtifactError
+from .errors import ArtifactError
 
 
 @dataclass(frozen=True)

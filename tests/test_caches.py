@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import staticrt
-from staticrt.caches import CacheError, CacheSpec, HybridCache, SlidingWindowCache, StaticCache, build_cache
+from staticrt.caches import CacheSpec, HybridCache, SlidingWindowCache, StaticCache, build_cache, masks
+from staticrt.errors import CacheError
 from staticrt.config import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -27,7 +28,7 @@ def write(cache, layer: int, start: list[int], steps: int, num_new: list[int] | 
     write_index = torch.tensor(start)
     num_new = torch.tensor(num_new if num_new is not None else [steps] * len(start))
     pos = (write_index[:, None] + torch.arange(steps))[:, None, :, None].float()  # [B, 1, T, 1]
-    cache.begin_step(write_index, num_new)
+    cache.begin_step(write_index, num_new, steps)
     cache.update(pos, -pos, layer, write_index, num_new)
 
 
@@ -39,8 +40,11 @@ def seen(cache, layer: int, positions: list[int], query: int) -> list[int]:
     """The positions that the query at `positions[query]` (row 0) may attend to in a step over
     `positions`, read off the mask."""
     pos = torch.tensor([positions])
-    mask = cache.attention_masks(pos)[cache.mask_key(layer)][0, 0, query]  # [L] or [L + T]
-    return sorted(cache.key_positions(cache.rotating[layer], pos)[0, query][mask].tolist())
+    rotating = cache.rotating[layer]
+    mask = cache.mask(cache.config.layer_types[layer], rotating, pos)[0, 0, query]  # [L] or [L + T]
+    slots = cache.get_max_cache_shape(layer)
+    keys = masks.key_positions(pos, slots, rotating, cache.writes_first(rotating, len(positions)))
+    return sorted(keys[0, query][mask].tolist())
 
 
 def sliding_cache(window: int = 4, batch: int = 1) -> SlidingWindowCache:
@@ -56,7 +60,7 @@ def test_rotating_buffer_holds_the_last_window_positions_decoded_one_by_one():
     write(cache, 0, [5], 1)
     assert held(cache, 0) == [[4, 5, 2, 3]]
     assert cache.layer_buffers(0)[1][0, 0, :, 0].tolist() == [-4, -5, -2, -3]
-    assert cache.held_positions(True, torch.tensor([6])).tolist() == [[4, 5, 2, 3]]
+    assert masks.held_positions(torch.tensor([6]), 4, rotating=True).tolist() == [[4, 5, 2, 3]]
     assert cache.get_seq_length().tolist() == [6]
     assert cache.get_max_cache_shape(0) == 4
 
@@ -80,7 +84,7 @@ def test_rows_at_different_positions_keep_padding_out_of_the_buffer():
     write(cache, 0, [1, 3], 6, num_new=[6, 2])
     assert held(cache, 0) == [[4, 5, 6, 3], [4, 1, 2, 3]]
     assert cache.get_seq_length().tolist() == [7, 5]
-    assert cache.held_positions(True, torch.tensor([7, 5])).tolist() == [[4, 5, 6, 3], [4, 1, 2, 3]]
+    assert masks.held_positions(torch.tensor([7, 5]), 4, rotating=True).tolist() == [[4, 5, 6, 3], [4, 1, 2, 3]]
 
 
 def test_decode_writes_one_slot_in_place_and_reset_keeps_addresses():
@@ -116,7 +120,7 @@ def test_static_mask_is_causal_and_windowed_for_sliding_layers():
     write(cache, 0, [0], 2)
     assert [seen(cache, 1, [2, 3, 4], q) for q in range(3)] == [[0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
     assert [seen(cache, 0, [2, 3, 4], q) for q in range(3)] == [[1, 2], [2, 3], [3, 4]]
-    assert cache.attention_masks(torch.tensor([[2, 3, 4]]))[(FULL, False)].shape == (1, 1, 3, 6)
+    assert cache.mask(FULL, False, torch.tensor([[2, 3, 4]])).shape == (1, 1, 3, 6)
 
 
 def test_static_cache_of_four_refuses_position_four():
@@ -140,7 +144,7 @@ def test_backend_refuses_a_step_past_the_static_cache_before_running_it():
 def test_hybrid_window_two_rotates_sliding_layers_and_keeps_every_position_in_global_ones():
     cache = HybridCache(one_head_config(sliding_window=2, layer_types=(SLIDING, FULL)), CacheSpec("hybrid", 1, 6),
                         torch.float32)
-    assert [cache.layer_kind(i) for i in range(2)] == ["sliding", "static"]
+    assert [cache.layer_layout(i) for i in range(2)] == ["sliding", "static"]
     assert [tuple(cache.layer_buffers(i)[0].shape) for i in range(2)] == [(1, 1, 2, 1), (1, 1, 6, 1)]
     write(cache, 0, [0], 3)
     write(cache, 1, [0], 3)
@@ -158,7 +162,7 @@ def test_reorder_cache_permutes_rows():
     cache = StaticCache(one_head_config(), CacheSpec("static", 3, 2), torch.float32)
     kv = torch.tensor([10.0, 20.0, 30.0])[:, None, None, None].expand(3, 1, 2, 1)
     num_new = torch.tensor([1, 2, 2])
-    cache.begin_step(torch.tensor([0, 0, 0]), num_new)
+    cache.begin_step(torch.tensor([0, 0, 0]), num_new, 2)
     cache.update(kv, kv, 1, torch.tensor([0, 0, 0]), num_new)
     cache.reorder_cache(torch.tensor([2, 2, 0]))
     assert cache.layer_buffers(1)[0][:, 0, 0, 0].tolist() == [30.0, 30.0, 10.0]
@@ -183,7 +187,7 @@ def test_qwen2_max_window_layers_decides_which_layers_rotate():
           "max_window_layers": 2}
     cache = build_cache(config_from_hf(hf), CacheSpec("auto", 1, 16), torch.float32, "meta")
     assert cache.kind == "hybrid"
-    assert [cache.layer_kind(i) for i in range(4)] == ["static", "static", "sliding", "sliding"]
+    assert [cache.layer_layout(i) for i in range(4)] == ["static", "static", "sliding", "sliding"]
     assert cache.layer_lengths == (16, 16, 4, 4)
 
 

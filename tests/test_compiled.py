@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -42,16 +44,17 @@ def test_seeded_sampling_is_reproducible_and_backend_independent(tiny):
 
 
 def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(monkeypatch):
-    from staticrt.backends.compiled import CompiledBackend
+    from staticrt.backends import compiled as compiled_module
 
     model = staticrt.load_model("tiny-llama")
     compiled = staticrt.Generator(model, max_batch_size=1, max_cache_len=64, backend="compiled")
     eager = staticrt.Generator(model, max_batch_size=1, max_cache_len=64)
     direct_calls = []
-    checked_code = CompiledBackend._checked_code
+    code_past_guards = compiled_module.code_past_guards
 
-    def counting_checked_code(graph):
-        code = checked_code(graph)
+    def counting_code_past_guards(graph):
+        code = code_past_guards(graph)
+        assert code is not None, "torch's cache-entry API changed: see staticrt/backends/guards.py"
 
         def counted(*args):
             direct_calls.append(code.__name__)
@@ -59,7 +62,7 @@ def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(mon
 
         return counted
 
-    monkeypatch.setattr(CompiledBackend, "_checked_code", staticmethod(counting_checked_code))
+    monkeypatch.setattr(compiled_module, "code_past_guards", counting_code_past_guards)
     prompt = [[5, 6, 7]]
     first = compiled.generate(prompt, max_new_tokens=10)
     # prefill and the first decode step go through dynamo's guards; the other 8 decode steps
@@ -82,3 +85,35 @@ def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(mon
     direct_calls.clear()
     assert compiled.generate(prompt, max_new_tokens=10) == first
     assert direct_calls == ["run_step_decode_greedy"] * 8
+
+
+def test_code_past_guards_is_the_code_dynamo_ran_and_gives_its_result():
+    from staticrt.backends.guards import code_past_guards
+
+    def scaled(x):
+        return x * 2 + 1
+
+    compiled = torch.compile(scaled, fullgraph=True, dynamic=False)
+    x = torch.arange(4.0)
+    assert compiled(x).tolist() == [1.0, 3.0, 5.0, 7.0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a changed torch API warns: fail here, loudly
+        direct = code_past_guards(compiled)
+    assert direct is not None and direct.__code__ is not scaled.__code__
+    assert direct(torch.arange(4.0) + 1).tolist() == [3.0, 5.0, 7.0, 9.0]
+
+
+def test_without_the_private_api_the_backend_warns_once_and_keeps_dynamo(monkeypatch):
+    from staticrt.backends import guards
+
+    monkeypatch.setattr(guards, "_WARNED", set())
+    monkeypatch.delattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    model = staticrt.load_model("tiny-llama")
+    compiled = staticrt.Generator(model, max_batch_size=1, max_cache_len=64, backend="compiled")
+    with pytest.warns(guards.GuardSkipWarning, match="compiled steps go through dynamo's guard check") as record:
+        tokens = compiled.generate([[5, 6, 7]], max_new_tokens=6)
+        assert compiled.generate([[5, 6, 7]], max_new_tokens=6) == tokens
+    assert len([w for w in record if issubclass(w.category, guards.GuardSkipWarning)]) == 1
+    graph = compiled.backend._graphs[1, False]
+    assert compiled.backend.step_function(1, False) is graph  # steps go through dynamo, as before the change
+    assert tokens == staticrt.Generator(model, max_batch_size=1, max_cache_len=64).generate([[5, 6, 7]], max_new_tokens=6)

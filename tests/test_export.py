@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import staticrt
-from staticrt.artifact import ArtifactError, load_artifact
+from staticrt.errors import ArtifactError, GenerationError
+from staticrt.runtime import load_artifact
 from staticrt.caches import CacheSpec
 from staticrt.cli import main
 from staticrt.exporters import export_artifact
-from staticrt.generate import GenerationError
 from staticrt.recipe import read_recipe
 
 RECIPES = Path(__file__).parent.parent / "export"

@@ -11,9 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import staticrt
-from staticrt.checkpoint import CheckpointError
-from staticrt.config import ConfigError
-from staticrt.generate import GenerationError
+from staticrt.errors import CheckpointError, ConfigError, GenerationError
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,10 @@ from hf_models import hf_greedy, save_hf_model
 
 import staticrt
 from staticrt.backends.eager import run_step
-from staticrt.caches import CacheError, offloaded, CacheSpec, OffloadedStaticCache, OffloadWarning, build_cache
-from staticrt.config import PRESETS, ModelConfig
+from staticrt.caches import CacheSpec, OffloadedStaticCache, OffloadWarning, build_cache, offloaded
+from staticrt.errors import CacheError
+from staticrt.config import ModelConfig
+from staticrt.presets import PRESETS
 from staticrt.generate import SamplingParams
 
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], [1, 2], list(range(10, 23))]  # lengths 7, 2, 13
@@ -48,12 +50,12 @@ def run_layers(cache, start: list[int], steps: int) -> list[list[list[int]]]:
     write_index = torch.tensor(start)
     num_new = torch.full((len(start),), steps)
     pos = (write_index[:, None] + torch.arange(steps))[:, None, :, None].float()  # [B, 1, T, 1]
-    cache.begin_step(write_index, num_new)
+    meta = cache.begin_step(write_index, num_new, steps)
     seen = []
     for layer in range(len(cache.rotating)):
-        cache.load_layer(layer, pos)
-        cache.update(pos + 10 * layer, -pos, layer, write_index, num_new)
-        seen.append(cache.layer_buffers(layer)[0][:, 0, :, 0].int().tolist())
+        cache.view(layer, meta, pos)
+        keys, _ = cache.update(pos + 10 * layer, -pos, layer, write_index, num_new)
+        seen.append(keys[:, 0, :, 0].int().tolist())
     return seen
 
 
@@ -162,7 +164,7 @@ def test_five_layer_models_reuse_the_working_buffers_and_match_transformers(five
     model = staticrt.load_model(folder)
     gen = staticrt.Generator(model, cache=cache, max_batch_size=3, max_cache_len=128, backend=backend)
     kv = gen.backend.cache
-    assert [kv.layer_kind(i) for i in range(5)] == (
+    assert [kv.layer_layout(i) for i in range(5)] == (
         ["offloaded"] * 5 if family == "llama" else ["sliding", "offloaded"] * 2 + ["sliding"])
     prompts = [list(range(30, 60)), [4, 5], list(range(100, 120))]  # 30 tokens: past Gemma2's window of 16
     with torch._dynamo.config.patch(error_on_recompile=True):

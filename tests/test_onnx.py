@@ -16,10 +16,11 @@ import torch
 
 import staticrt
 from hf_models import hf_greedy
-from staticrt.artifact import ArtifactError, load_artifact, sha256
+from staticrt.artifact import sha256
+from staticrt.errors import ArtifactError, GenerationError
+from staticrt.runtime import load_artifact
 from staticrt.caches import CacheSpec
 from staticrt.exporters import export_artifact
-from staticrt.generate import GenerationError
 
 # (checkpoint, cache): every family, every exportable cache kind. mistral-sw16 and gemma2 attend
 # through a window of 16; their rotating layers get 32 slots (the window plus genai's slack).
@@ -64,7 +65,7 @@ def test_onnx_greedy_tokens_equal_transformers_and_sampling_equals_eager(onnx_ar
 
 def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):
     from staticrt.backends.onnx import OnnxBackend, _has_cuda_device
-    from staticrt.generate import Generator
+    from staticrt.runtime import Generator
 
     if not _has_cuda_device():
         pytest.skip("no CUDA device: ONNX Runtime's CUDA provider and its CUDA graphs run only on a GPU")

@@ -1,7 +1,7 @@
 """CUDA-graph backend: each step shape is the compiled step captured once in a CUDA graph and
 replayed, so a decode step costs one graph launch plus a few small copies.
 
-For the Generator's batch size there is one graph per (steps, greedy|sample): decode and each
+For the Generator's batch size there is one graph per (tokens a row, greedy|sample): decode and each
 prefill bucket. A graph reads its inputs from static buffers (`input_ids`, `write_index`,
 `num_new`, sampling parameters, the uniform random numbers) and writes the chosen ids to a static
 output; all graphs share one memory pool. The decode graph also feeds itself: it copies its
@@ -20,6 +20,7 @@ for a GPU still runs on a CPU. Backend "reduce-overhead" is `torch.compile(mode=
 
 from __future__ import annotations
 
+import statistics
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 
 from ..generate import SamplingParams
 from .compiled import CompiledBackend
+from .eager import StepFn
 
 _WARNED = False
 
@@ -57,14 +59,15 @@ class _Graph:
 
 class CudaGraphBackend(CompiledBackend):
     name = "cudagraph"
-    options: dict[str, Any] = {}  # inductor's defaults on CUDA (cpp_wrapper is the CPU fast path)
+    compile_options: dict[str, Any] = {"options": {}}  # inductor's defaults on CUDA (cpp_wrapper is the CPU's)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.captured: dict[tuple[int, bool], _Graph] = {}
+        self.decode_from: np.ndarray | None = None  # write_index of the last generation's first decode step
         if self.device.type != "cuda":
             _warn_no_cuda(self.device)
-            self.options = CompiledBackend.options
+            self.compile_options = CompiledBackend.compile_options
             return
         self.pool = torch.cuda.graph_pool_handle()  # one pool for every graph
         self.host_ids = torch.empty(self.batch_size, dtype=torch.int64, pin_memory=True)
@@ -79,12 +82,14 @@ class CudaGraphBackend(CompiledBackend):
     ) -> np.ndarray:
         if self.device.type != "cuda":
             return super().step(input_ids, write_index, num_new, sampling, uniforms)
-        batch, steps = input_ids.shape
-        self.cache.check_step(write_index, steps)
-        key = (steps, uniforms is not None)
+        batch, seq_len = input_ids.shape
+        self.cache.check_step(write_index, seq_len)
+        key = (seq_len, uniforms is not None)
         if key not in self.captured:
-            self.captured[key] = self._capture(steps, uniforms is not None, input_ids, write_index, num_new,
+            self.captured[key] = self._capture(seq_len, uniforms is not None, input_ids, write_index, num_new,
                                                sampling, uniforms)
+        if seq_len == 1 and self.decode_from is None:
+            self.decode_from = write_index.copy()
         entry = self.captured[key]
         self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
         entry.graph.replay()
@@ -93,9 +98,37 @@ class CudaGraphBackend(CompiledBackend):
         self.host_ids.copy_(entry.output, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         next_ids = self.host_ids.numpy().copy()
-        if steps == 1:  # the graph left these in its own input buffers
+        if seq_len == 1:  # the graph left these in its own input buffers
             entry.expected = (next_ids.reshape(batch, 1), write_index + 1)
         return next_ids
+
+    def reset(self) -> None:
+        super().reset()
+        self.decode_from = None
+
+    def report(self) -> dict[str, Any]:
+        """Also, on CUDA, the GPU time of one replay of the greedy decode graph (`graph_gpu_ms`)."""
+        report = super().report()
+        decode = self.captured.get((1, False))
+        if decode is not None and self.decode_from is not None:
+            report["graph_gpu_ms"] = 1000 * self.graph_gpu_s(decode, self.decode_from)
+            decode.expected = None  # the replays left other inputs in its buffers
+        return report
+
+    @staticmethod
+    def graph_gpu_s(entry: _Graph, write_index: np.ndarray, repeats: int = 50) -> float:
+        """Seconds of GPU time one replay of a decode graph takes, from CUDA events around each
+        replay (the host's share of a step is the step's wall time minus this). The graph advances
+        its own `write_index` buffer, so it is set back before each replay, outside the events."""
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        position = torch.from_numpy(write_index).to(entry.inputs["write_index"].device)
+        for start, end in pairs:
+            entry.inputs["write_index"].copy_(position)
+            start.record()
+            entry.graph.replay()
+            end.record()
+        pairs[-1][1].synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in pairs) / 1000
 
     def _load_inputs(
         self, entry: _Graph, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray,
@@ -118,14 +151,14 @@ class CudaGraphBackend(CompiledBackend):
                 entry.params = params
 
     def _capture(
-        self, steps: int, do_sample: bool, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray,
+        self, seq_len: int, do_sample: bool, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray,
         sampling: SamplingParams, uniforms: np.ndarray | None,
     ) -> _Graph:
         """Warm up (compile) on a side stream and capture the step of this shape, leaving the cache
         as it was: warm-up runs the step for real."""
         batch, dev = self.batch_size, self.device
         inputs = {
-            "input_ids": torch.zeros(batch, steps, dtype=torch.int64, device=dev),
+            "input_ids": torch.zeros(batch, seq_len, dtype=torch.int64, device=dev),
             "write_index": torch.zeros(batch, dtype=torch.int64, device=dev),
             "num_new": torch.ones(batch, dtype=torch.int64, device=dev),
             "temperature": torch.ones(batch, dtype=torch.float32, device=dev),
@@ -135,13 +168,13 @@ class CudaGraphBackend(CompiledBackend):
         }
         output = torch.zeros(batch, dtype=torch.int64, device=dev)
         entry = _Graph(torch.cuda.CUDAGraph(), {k: v for k, v in inputs.items() if v is not None}, output)
-        fn = self.step_function(steps, do_sample)
+        fn = self.step_function(seq_len, do_sample)
         saved = [b.clone() for b in self.cache.state_buffers()]
 
         def run() -> None:
             next_ids = fn(self.model, self.cache, *inputs.values())  # [B]
             output.copy_(next_ids)
-            if steps == 1:  # feed the next decode step from the device
+            if seq_len == 1:  # feed the next decode step from the device
                 inputs["input_ids"].copy_(next_ids[:, None])
                 inputs["write_index"].add_(1)
 
@@ -168,4 +201,8 @@ class ReduceOverheadBackend(CompiledBackend):
     """`torch.compile(mode="reduce-overhead")`: inductor captures and replays CUDA graphs itself."""
 
     name = "reduce-overhead"
-    mode = "reduce-overhead"
+    compile_options = {"mode": "reduce-overhead"}
+
+    def past_guards(self, graph: StepFn) -> StepFn:
+        """Always through dynamo: inductor's CUDA-graph trees run inside dynamo's call wrapper."""
+        return graph

@@ -1,15 +1,16 @@
 """Eager torch backend: the model and cache run op by op. The compiled backend reuses all of it
-and only swaps how a step function is obtained."""
+and only swaps how a step function is obtained (`step_function`)."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..caches import CacheError, CacheSpec, KVCache, build_cache, default_max_cache_len
-from ..generate import GenerationError, SamplingParams, default_buckets
+from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
+from ..errors import CacheError, GenerationError
+from ..generate import SamplingParams, default_buckets
 from ..model import Decoder
 from ..sampling import greedy, sample
 
@@ -71,7 +72,7 @@ class EagerBackend:
             _check_cache(cache, model, param, max_batch_size=max_batch_size, max_cache_len=max_cache_len, window=window)
             self.cache = cache
         else:
-            max_cache_len = max_cache_len or default_max_cache_len(config, cache)
+            max_cache_len = resolve_max_cache_len(config, cache, max_cache_len, window=window)
             spec = CacheSpec(cache, max_batch_size or 1, max_cache_len, window)
             self.cache = build_cache(config, spec, param.dtype, param.device)
         max_cache_len = self.cache.spec.max_cache_len
@@ -86,14 +87,23 @@ class EagerBackend:
         self.max_cache_len = max_cache_len
         self.max_sequence_len = self.cache.max_sequence_len
         self.vocab_size = config.vocab_size
+        self.eos_token_ids = config.eos_token_ids
         self.buckets = buckets
 
-    def step_function(self, steps: int, do_sample: bool) -> StepFn:
-        """The callable that runs a step of `steps` tokens; eager runs `run_step` as it is."""
+    @property
+    def cache_kind(self) -> str:
+        return self.cache.kind
+
+    def step_function(self, seq_len: int, do_sample: bool) -> StepFn:
+        """The callable that runs a step of `seq_len` tokens a row; eager runs `run_step` as it is."""
         return run_step
 
     def reset(self) -> None:
         self.cache.reset()
+
+    def report(self) -> dict[str, Any]:
+        """The cache's bytes on the device and in host memory."""
+        return {"cache_device_bytes": self.cache.device_bytes(), "cache_host_bytes": self.cache.host_bytes()}
 
     def step(
         self,
@@ -103,11 +113,11 @@ class EagerBackend:
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
-        batch, steps = input_ids.shape
-        self.cache.check_step(write_index, steps)
+        batch, seq_len = input_ids.shape
+        self.cache.check_step(write_index, seq_len)
         dev = self.device
         full = lambda value, dtype: torch.full((batch,), value, dtype=dtype, device=dev)  # noqa: E731
-        fn = self.step_function(steps, uniforms is not None)
+        fn = self.step_function(seq_len, uniforms is not None)
         with torch.no_grad():
             next_ids = fn(
                 self.model,

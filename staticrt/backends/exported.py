@@ -16,14 +16,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..artifact import ArtifactBackend, ArtifactError, program_name
-from ..generate import GenerationError, SamplingParams, check_positions
+from ..artifact import program_name
+from ..dtypes import resolve_dtype
+from ..errors import ArtifactError, GenerationError, check_positions
+from ..generate import SamplingParams
+from .artifact_base import ArtifactBackend
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
 
 
 def load_constants(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -33,7 +32,7 @@ def load_constants(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Te
     weights = load_file(str(folder / manifest["weights"]))
     constants = {}
     for name, layout in manifest["constants"].items():
-        tensor = torch.empty_strided(layout["shape"], layout["strides"], dtype=_dtype(layout["dtype"]))
+        tensor = torch.empty_strided(layout["shape"], layout["strides"], dtype=resolve_dtype(layout["dtype"]))
         if name in weights:
             tensor.copy_(weights[name])
         elif name.startswith("cache."):
@@ -46,8 +45,8 @@ def load_constants(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Te
 
 def _aoti_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
     """The package's compiled model, run by torch's AOTInductor runner directly: the package
-    loader would import inductor and probe the CPU's vector ISA by compiling test programs (~2 s
-    and ~20 s on a 2-core machine, once a process and once a machine), which is most of a cold
+    loader would import inductor and probe the CPU's vector ISA by compiling test programs (once a
+    process and once a machine; docs/measurements.md), which is most of a cold
     start. The ISA was recorded at export and checked by `ExportedBackend` instead."""
     with zipfile.ZipFile(path) as archive, tempfile.TemporaryDirectory() as scratch:
         libraries = [n for n in archive.namelist() if n.endswith(".so") and "/aotinductor/" in n]
@@ -114,9 +113,9 @@ class ExportedBackend(ArtifactBackend):
                 "this artifact's programs choose tokens greedily; sampling runs on the eager, compiled and onnx "
                 "backends (pass do_sample=False here)"
             )
-        steps = input_ids.shape[1]
-        check_positions(write_index, steps, self.max_sequence_len, self.kind)
-        program = self.programs[program_name(steps)]
+        seq_len = input_ids.shape[1]
+        check_positions(write_index, seq_len, self.max_sequence_len, self.cache_kind)
+        program = self.programs[program_name(seq_len)]
         with torch.no_grad():
             next_ids = program(torch.from_numpy(input_ids), torch.from_numpy(write_index), torch.from_numpy(num_new))
         return next_ids.numpy()  # [B]

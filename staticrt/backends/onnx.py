@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ..artifact import ArtifactBackend, ArtifactError
-from ..generate import SamplingParams, check_positions
+from ..errors import ArtifactError, check_positions
+from ..generate import SamplingParams
 from ..host_sampling import greedy, sample
-
-_DTYPES = {"float32": np.float32, "float16": np.float16}
+from .artifact_base import ArtifactBackend
 
 
 def _session(path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool) -> Any:
@@ -54,13 +53,14 @@ class OnnxBackend(ArtifactBackend):
     def __init__(
         self,
         folder: str | Path,
+        format: str = "onnx",
         manifest: dict[str, Any] | None = None,
         device: str | None = None,
         threads: int | None = None,
     ) -> None:
         import onnxruntime as ort
 
-        super().__init__(folder, "onnx", manifest)
+        super().__init__(folder, format, manifest)
         folder, manifest = self.folder, self.manifest
         section = manifest["onnx"]
         available = ort.get_available_providers()
@@ -78,7 +78,7 @@ class OnnxBackend(ArtifactBackend):
         for spec in section["inputs"]:
             if spec["name"].startswith("past_key_values."):
                 shape = [self.batch_size, *spec["shape"][1:]]
-                value = ort.OrtValue.ortvalue_from_shape_and_type(shape, _DTYPES[spec["dtype"]], device, 0)
+                value = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(spec["dtype"]), device, 0)
                 self.caches[spec["name"]] = value
                 # One buffer as past and present: every step's write lands in it, in place.
                 self.binding.bind_ortvalue_input(spec["name"], value)
@@ -98,7 +98,7 @@ class OnnxBackend(ArtifactBackend):
             if self.device == "cpu":
                 value.numpy().fill(0)  # a view of the OrtValue's own memory
             else:
-                value.update_inplace(np.zeros(value.shape(), dtype=_DTYPES[self.manifest["dtype"]]))
+                value.update_inplace(np.zeros(value.shape(), dtype=np.dtype(self.manifest["dtype"])))
         self.mask[:] = 0
         self.columns = 0
 
@@ -116,21 +116,21 @@ class OnnxBackend(ArtifactBackend):
         a first step places each row's `num_new` tokens at the right end of `max(num_new)` columns."""
         batch = self.batch_size
         if self.columns == 0:
-            steps = int(num_new.max())
-            ids = np.zeros((batch, steps), dtype=np.int64)
-            positions = np.zeros((batch, steps), dtype=np.int64)
-            self._grow_mask(steps)
+            seq_len = int(num_new.max())
+            ids = np.zeros((batch, seq_len), dtype=np.int64)
+            positions = np.zeros((batch, seq_len), dtype=np.int64)
+            self._grow_mask(seq_len)
             for r in range(batch):
                 n = int(num_new[r])
-                ids[r, steps - n:] = input_ids[r, :n]
-                positions[r, steps - n:] = write_index[r] + np.arange(n)
-                self.mask[r, steps - n: steps] = 1
+                ids[r, seq_len - n:] = input_ids[r, :n]
+                positions[r, seq_len - n:] = write_index[r] + np.arange(n)
+                self.mask[r, seq_len - n: seq_len] = 1
         else:  # decode: one real token a row, at the next column
-            steps = input_ids.shape[1]
-            ids, positions = input_ids, write_index[:, None] + np.arange(steps)
-            self._grow_mask(self.columns + steps)
-            self.mask[:, self.columns: self.columns + steps] = 1
-        self.columns += steps
+            seq_len = input_ids.shape[1]
+            ids, positions = input_ids, write_index[:, None] + np.arange(seq_len)
+            self._grow_mask(self.columns + seq_len)
+            self.mask[:, self.columns: self.columns + seq_len] = 1
+        self.columns += seq_len
         width = self.mask.shape[1] if self.max_sequence_len else self.columns
         return ids, self.mask[:, :width], positions
 
@@ -157,7 +157,7 @@ class OnnxBackend(ArtifactBackend):
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
-        check_positions(write_index, int(num_new.max()), self.max_sequence_len, self.kind)
+        check_positions(write_index, int(num_new.max()), self.max_sequence_len, self.cache_kind)
         ids, mask, positions = self._step_inputs(input_ids, write_index, num_new)
         for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
             value = np.ascontiguousarray(value)

@@ -5,7 +5,8 @@ linear one of `max_cache_len`."""
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .base import KVCache, sliding_layers
+from .base import KVCache
+from .spec import sliding_layers
 
 
 class HybridCache(KVCache):

@@ -29,9 +29,11 @@ import torch
 
 from ..config import ModelConfig
 from ..ops import cache_write
-from .base import HOST_PREFIX, CacheSpec, KVCache
+from .base import KVCache
 from .hybrid import HybridCache
+from .spec import CacheSpec
 from .static import StaticCache
+from .view import LayerView, StepMetadata
 
 
 class OffloadWarning(RuntimeWarning):
@@ -147,13 +149,13 @@ class OffloadedCache(KVCache):
         if self.rotating[layer_idx]:  # a sliding layer's window is small: it stays on the device
             return super().allocate_layer(layer_idx, shape)
         host = "meta" if self.device.type == "meta" else "cpu"
-        for name in (f"{HOST_PREFIX}key_{layer_idx}", f"{HOST_PREFIX}value_{layer_idx}"):
+        for name in (f"host_key_{layer_idx}", f"host_value_{layer_idx}"):
             storage = torch.zeros(shape, dtype=self.dtype, device=host, pin_memory=self.pinned)
-            self.register_static(name, storage)
+            self.register_static(name, storage, host=True)
 
     def host_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An offloaded layer's K/V storage `[B, H_kv, max_cache_len, D]` in host memory."""
-        return getattr(self, f"{HOST_PREFIX}key_{layer_idx}"), getattr(self, f"{HOST_PREFIX}value_{layer_idx}")
+        return getattr(self, f"host_key_{layer_idx}"), getattr(self, f"host_value_{layer_idx}")
 
     def storage_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return super().storage_buffers(layer_idx) if self.rotating[layer_idx] else self.host_buffers(layer_idx)
@@ -164,41 +166,38 @@ class OffloadedCache(KVCache):
         slot = self._slot[layer_idx]
         return getattr(self, f"work_key_{slot}"), getattr(self, f"work_value_{slot}")
 
-    def layer_kind(self, layer_idx: int) -> str:
-        return super().layer_kind(layer_idx) if self.rotating[layer_idx] else "offloaded"
+    def layer_layout(self, layer_idx: int) -> str:
+        return super().layer_layout(layer_idx) if self.rotating[layer_idx] else "offloaded"
 
-    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
-        super().begin_step(write_index, num_new)
+    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int) -> StepMetadata:
+        """Also start copying the first offloaded layer's K/V in."""
+        meta = super().begin_step(write_index, num_new, seq_len)
         if self.offloaded:
             self._prefetch(self.offloaded[0])
+        return meta
 
-    def load_layer(self, layer_idx: int, layer_input: torch.Tensor) -> None:
+    def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView:
         """Wait for this layer's K/V, then start copying the next offloaded layer's into the other
         slot, which the previous offloaded layer has finished reading."""
-        if self.rotating[layer_idx]:
-            return
-        torch.ops.staticrt.await_kv(*self.layer_buffers(layer_idx), layer_input)
-        if layer_idx in self._next:
-            self._prefetch(self._next[layer_idx])
+        if not self.rotating[layer_idx]:
+            torch.ops.staticrt.await_kv(*self.layer_buffers(layer_idx), layer_input)
+            if layer_idx in self._next:
+                self._prefetch(self._next[layer_idx])
+        return super().view(layer_idx, meta, layer_input)
 
     def _prefetch(self, layer_idx: int) -> None:
         torch.ops.staticrt.prefetch_kv(*self.layer_buffers(layer_idx), *self.host_buffers(layer_idx))
 
     def update(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_idx: int,
-        write_index: torch.Tensor,
-        num_new: torch.Tensor,
-        after: torch.Tensor | None = None,
-    ) -> None:
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor,
+        num_new: torch.Tensor, after: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write into the layer's working slot, and through to its host storage."""
-        super().update(key, value, layer_idx, write_index, num_new, after)
-        if self.rotating[layer_idx]:
-            return
-        for target, new in zip(self._write_targets[layer_idx], (key, value)):
-            cache_write(target, new.to(target.device), write_index.to(target.device))
+        buffers = super().update(key, value, layer_idx, write_index, num_new, after)
+        if not self.rotating[layer_idx]:
+            for target, new in zip(self._write_targets[layer_idx], (key, value)):
+                cache_write(target, new.to(target.device), write_index.to(target.device))
+        return buffers
 
 
 class OffloadedStaticCache(OffloadedCache, StaticCache):

@@ -5,7 +5,9 @@ Generation never runs out of room; memory stays at `window` positions a layer.""
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .base import CacheError, KVCache, sliding_layers
+from ..errors import CacheError
+from .base import KVCache
+from .spec import sliding_layers
 
 
 class SlidingWindowCache(KVCache):

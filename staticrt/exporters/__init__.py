@@ -11,12 +11,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .. import __version__
-from ..artifact import ArtifactError, write_artifact
-from ..caches import build_cache
-from ..caches.base import CacheSpec
+from ..artifact import FORMATS, write_artifact
+from ..caches import CacheSpec, KVCache, build_cache
+from ..dtypes import dtype_name
+from ..errors import ArtifactError
 from ..model import Decoder
 
-FORMATS = ("aoti", "pt2", "onnx")
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
 Stage = Callable[[str, float], None]  # (what finished, seconds it took)
 
@@ -37,25 +37,8 @@ def export_artifact(
     `fields` are merged into the manifest (e.g. the recipe); `extra_files(folder)` may add files
     (the tokenizer) before the hashes are taken. Every input is checked before anything is built.
     """
-    unknown = [f for f in formats if f not in FORMATS]
-    if unknown or not formats:
-        raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
-    if spec.kind not in EXPORTABLE_CACHES:
-        raise ArtifactError(
-            f"cache {spec.kind!r} cannot be exported (its host transfers live outside the program); choose one "
-            f"of {', '.join(EXPORTABLE_CACHES)}"
-        )
-    if any(b > spec.max_cache_len for b in buckets):
-        raise ArtifactError(f"prefill buckets {list(buckets)} must not exceed max_cache_len {spec.max_cache_len}")
+    cache = _export_cache(model, spec, buckets, formats)
     param = next(model.parameters())
-    cache = build_cache(model.config, spec, param.dtype, param.device)
-    if "onnx" in formats:
-        from .onnx_export import GENAI_SLACK, check_onnx_cache
-
-        if spec.window is None and cache.window is not None:  # unset: the window plus genai's default slack
-            spec = dataclasses.replace(spec, window=cache.window + GENAI_SLACK)
-            cache = build_cache(model.config, spec, param.dtype, param.device)
-        check_onnx_cache(cache)
 
     def timed(what: str, run: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -79,13 +62,8 @@ def export_artifact(
         return {
             "versions": _versions(),
             "model": {"config": model.config.to_dict(), "source": getattr(model, "source", None)},
-            "cache": {
-                "kind": cache.kind, "max_batch_size": spec.max_batch_size, "max_cache_len": spec.max_cache_len,
-                "window": cache.window, "max_sequence_len": cache.max_sequence_len,
-                "layers": [cache.layer_kind(i) for i in range(len(cache.rotating))],
-                "layer_lengths": list(cache.layer_lengths),
-            },
-            "dtype": str(param.dtype).removeprefix("torch."),
+            "cache": _cache_fields(cache),
+            "dtype": dtype_name(param.dtype),
             "device": param.device.type,
             "prefill_buckets": sorted(set(buckets)),
             "formats": list(formats),
@@ -94,6 +72,41 @@ def export_artifact(
         }
 
     return write_artifact(target, build)
+
+
+def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], formats: Sequence[str]) -> KVCache:
+    """The cache the programs are traced with, once every input has been checked."""
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown or not formats:
+        raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
+    if spec.kind not in EXPORTABLE_CACHES:
+        raise ArtifactError(
+            f"cache {spec.kind!r} cannot be exported (its host transfers live outside the program); choose one "
+            f"of {', '.join(EXPORTABLE_CACHES)}"
+        )
+    if any(b > spec.max_cache_len for b in buckets):
+        raise ArtifactError(f"prefill buckets {list(buckets)} must not exceed max_cache_len {spec.max_cache_len}")
+    param = next(model.parameters())
+    cache = build_cache(model.config, spec, param.dtype, param.device)
+    if "onnx" in formats:
+        from .onnx_export import GENAI_SLACK, check_onnx_cache
+
+        if spec.window is None and cache.window is not None:  # unset: the window plus genai's default slack
+            spec = dataclasses.replace(spec, window=cache.window + GENAI_SLACK)
+            cache = build_cache(model.config, spec, param.dtype, param.device)
+        check_onnx_cache(cache)
+    return cache
+
+
+def _cache_fields(cache: KVCache) -> dict[str, Any]:
+    """The manifest's `cache`: what the loader checks requests against."""
+    spec = cache.spec
+    return {
+        "kind": cache.kind, "max_batch_size": spec.max_batch_size, "max_cache_len": spec.max_cache_len,
+        "window": cache.window, "max_sequence_len": cache.max_sequence_len,
+        "layers": [cache.layer_layout(i) for i in range(len(cache.rotating))],
+        "layer_lengths": list(cache.layer_lengths),
+    }
 
 
 def _versions() -> dict[str, str]:

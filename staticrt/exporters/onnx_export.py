@@ -38,8 +38,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..artifact import ArtifactError
-from ..caches import KVCache
+from ..caches import KVCache, StepMetadata
+from ..caches import masks
+from ..errors import ArtifactError
 from ..model import Decoder
 from ..ops import onnx_translations, tensor_scatter
 
@@ -53,6 +54,7 @@ GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a ro
 @dataclass
 class StepInputs:
     attention_mask: torch.Tensor  # [B, T] int64, 1 where a column holds a real token
+    position_ids: torch.Tensor  # [B, S] int64, each new token's position (a hole's means nothing)
     write_index: torch.Tensor  # [B] int64, the column of each row's first new entry (T - S)
 
 
@@ -68,21 +70,22 @@ class GraphCache(KVCache):
     def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
         """No buffers: each layer's K/V arrives as `past_key_values.{i}.*`, shaped `layer_shape`."""
 
-    def bind(self, past: list[torch.Tensor], attention_mask: torch.Tensor, write_index: torch.Tensor) -> None:
-        """Take this step's inputs: `past` as [key_0, value_0, key_1, ...], each `[B, H_kv, N_i, D]`;
-        `attention_mask [B, T]`; `write_index [B]`, the column of each row's first new entry."""
+    def bind(self, past: list[torch.Tensor], inputs: StepInputs) -> None:
+        """Take this step's inputs: `past` as [key_0, value_0, key_1, ...], each `[B, H_kv, N_i, D]`."""
         assert len(past) == 2 * len(self.rotating), f"{len(past)} past tensors for {len(self.rotating)} layers"
         self.past = [(past[2 * i], past[2 * i + 1]) for i in range(len(self.rotating))]
         self.present = {}
-        self.inputs = StepInputs(attention_mask, write_index)
+        self.inputs = inputs
 
     def presents(self) -> list[torch.Tensor]:
         return [t for i in range(len(self.rotating)) for t in self.present[i]]
 
-    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
-        """Lengths live in the attention mask here."""
+    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int) -> StepMetadata:
+        """Lengths live in the attention mask here, and positions are the graph's `position_ids`
+        (a padded row's slots and positions differ)."""
+        return self.metadata(write_index, num_new, self.inputs.position_ids)
 
-    def layout_writes_first(self, rotating: bool, steps: int) -> bool:
+    def writes_first(self, rotating: bool, seq_len: int) -> bool:
         """Rotating layers always attend first: one graph serves every S, decode included."""
         return not rotating
 
@@ -90,44 +93,38 @@ class GraphCache(KVCache):
         return self.present.get(layer_idx, self.past[layer_idx])
 
     def update(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_idx: int,
-        write_index: torch.Tensor,
-        num_new: torch.Tensor,
-        after: torch.Tensor | None = None,
-    ) -> None:
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor,
+        num_new: torch.Tensor, after: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """present = TensorScatter(past, new, T - S); a rotating layer keeps the newest min(S, window)."""
         rotating = self.rotating[layer_idx]
         if rotating:
-            steps = key.shape[2]
-            dropped = torch.sym_max(steps - self.window, 0)  # entries older than the window, gone anyway
+            seq_len = key.shape[2]
+            dropped = torch.sym_max(seq_len - self.window, 0)  # entries older than the window, gone anyway
             key, value = key[:, :, dropped:], value[:, :, dropped:]
             write_index = write_index + dropped
         self.present[layer_idx] = tuple(
             tensor_scatter(buf, new, write_index, rotating, after)
             for buf, new in zip(self.past[layer_idx], (key, value))
         )
+        return self.present[layer_idx]
 
-    def _mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
-        """`[B, 1, S, L(+S)]`: the columns a layer holds (`key_positions` of the step's columns),
-        visible where the mask marks them real and their token position is causal (and inside
-        the window) for the query's position. A query always sees its own column, so a hole
-        (whose position means nothing) still has one key and softmax stays finite."""
+    def mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, 1, S, L(+S)]`: the columns a layer holds (`masks.key_positions` of the step's
+        columns), visible where the mask marks them real and their token position is causal (and
+        inside the window) for the query's position. A query always sees its own column, so a
+        hole (whose position means nothing) still has one key and softmax stays finite."""
         mask = self.inputs.attention_mask  # [B, T]
-        total = mask.shape[1]
-        columns = self.inputs.write_index[:, None] + torch.arange(positions.shape[1], device=mask.device)  # [B, S]
-        key_columns = self.key_positions(rotating, columns)  # [B, S, K]
+        total, seq_len = mask.shape[1], positions.shape[1]
+        columns = self.inputs.write_index[:, None] + torch.arange(seq_len, device=mask.device)  # [B, S]
+        slots = self.window if rotating else self.spec.max_cache_len
+        key_columns = masks.key_positions(columns, slots, rotating, self.writes_first(rotating, seq_len))  # [B, S, K]
         index = key_columns.clamp(0, total - 1).flatten(1)  # [B, S*K]
         real = (key_columns >= 0) & (mask.gather(1, index).view_as(key_columns) > 0)
         key_pos = (torch.cumsum(mask, dim=1) - 1).gather(1, index).view_as(key_columns)
-        query = positions[:, :, None]  # [B, S, 1]
-        visible = real & (key_pos <= query)
-        if attention == "sliding_attention":
-            visible = visible & (query - key_pos < self.config.sliding_window)
-        visible = visible | (key_columns == columns[:, :, None])
-        return visible[:, None]
+        window = self.config.sliding_window if attention == "sliding_attention" else None
+        seen = masks.visible(torch.where(real, key_pos, -1), positions[:, :, None], window)
+        return (seen | (key_columns == columns[:, :, None]))[:, None]
 
 
 def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -155,10 +152,10 @@ class OnnxStep(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        steps = input_ids.shape[1]  # input_ids, position_ids [B, S]; attention_mask [B, T]
-        write_index = marked_columns(attention_mask) - steps  # [B]
-        self.cache.bind(list(past), attention_mask, write_index)
-        logits = self.model(input_ids, write_index, self.cache, positions=position_ids)  # [B, V] at column T - 1
+        seq_len = input_ids.shape[1]  # input_ids, position_ids [B, S]; attention_mask [B, T]
+        write_index = marked_columns(attention_mask) - seq_len  # [B]
+        self.cache.bind(list(past), StepInputs(attention_mask, position_ids, write_index))
+        logits = self.model(input_ids, write_index, self.cache)  # [B, V] at column T - 1
         return (logits[:, None], *self.cache.presents())
 
 
@@ -177,11 +174,11 @@ def check_onnx_cache(cache: KVCache) -> None:
 
 def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
     """Inputs to trace with: S = 5 and T = 7 (sizes of 0 and 1 would be specialised), zero caches."""
-    batch, steps, total = cache.spec.max_batch_size, 5, 7
+    batch, seq_len, total = cache.spec.max_batch_size, 5, 7
     device = cache.device
     past = [torch.zeros(cache.layer_shape(n), dtype=cache.dtype, device=device) for n in cache.layer_lengths
             for _ in range(2)]
-    ids = torch.zeros(batch, steps, dtype=torch.int64, device=device)
+    ids = torch.zeros(batch, seq_len, dtype=torch.int64, device=device)
     return ids, torch.ones(batch, total, dtype=torch.int64, device=device), ids.clone(), *past
 
 
@@ -196,9 +193,9 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
     from torch.export import Dim
 
     step = OnnxStep(model, cache).eval()
-    batch, steps, total = Dim("batch_size"), Dim("sequence_length"), Dim("total_sequence_length")
+    batch, seq_len, total = Dim("batch_size"), Dim("sequence_length"), Dim("total_sequence_length")
     layers = len(cache.rotating)
-    dynamic = ({0: batch, 1: steps}, {0: batch, 1: total}, {0: batch, 1: steps}, tuple({0: batch} for _ in range(2 * layers)))
+    dynamic = ({0: batch, 1: seq_len}, {0: batch, 1: total}, {0: batch, 1: seq_len}, tuple({0: batch} for _ in range(2 * layers)))
     inputs, outputs = io_names(layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The exporter reports progress and benign notes (missing torchvision, merged axis names) as

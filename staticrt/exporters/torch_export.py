@@ -24,6 +24,7 @@ from torch import nn
 
 from ..artifact import program_name
 from ..caches import KVCache
+from ..dtypes import dtype_name
 from ..model import Decoder
 from ..sampling import greedy
 
@@ -44,18 +45,18 @@ class StepProgram(nn.Module):
         return greedy(self.model(input_ids, write_index, self.cache, num_new))
 
 
-def example_inputs(batch: int, steps: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    ids = torch.zeros(batch, steps, dtype=torch.int64, device=device)
+def example_inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    ids = torch.zeros(batch, seq_len, dtype=torch.int64, device=device)
     write_index = torch.zeros(batch, dtype=torch.int64, device=device)
-    return ids, write_index, torch.full((batch,), steps, dtype=torch.int64, device=device)
+    return ids, write_index, torch.full((batch,), seq_len, dtype=torch.int64, device=device)
 
 
-def io_spec(batch: int, steps: int) -> dict[str, Any]:
+def io_spec(batch: int, seq_len: int) -> dict[str, Any]:
     """What the manifest says of a program's inputs and outputs."""
     return {
-        "steps": steps,
+        "seq_len": seq_len,
         "inputs": [
-            {"name": "input_ids", "shape": [batch, steps], "dtype": "int64"},
+            {"name": "input_ids", "shape": [batch, seq_len], "dtype": "int64"},
             {"name": "write_index", "shape": [batch], "dtype": "int64"},
             {"name": "num_new", "shape": [batch], "dtype": "int64"},
         ],
@@ -67,9 +68,9 @@ def export_programs(step: StepProgram, batch: int, buckets: Sequence[int]) -> di
     """`decode` and one `prefill_N` a bucket, traced with static shapes."""
     device = next(step.model.parameters()).device
     programs = {}
-    for steps in sorted({1, *buckets}):
+    for seq_len in sorted({1, *buckets}):
         with torch.no_grad():
-            programs[program_name(steps)] = torch.export.export(step, example_inputs(batch, steps, device), strict=False)
+            programs[program_name(seq_len)] = torch.export.export(step, example_inputs(batch, seq_len, device), strict=False)
     return programs
 
 
@@ -83,7 +84,7 @@ def constant_layouts(constants: dict[str, torch.Tensor]) -> dict[str, dict[str, 
     column-major (model.use_column_major_weights) and the compiled code indexes them that way, so
     the loader must hand them back in the same layout."""
     return {
-        name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "strides": list(t.stride())}
+        name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "strides": list(t.stride())}
         for name, t in constants.items()
     }
 

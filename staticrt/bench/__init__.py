@@ -1,0 +1,169 @@
+"""Side-by-side decoding benchmarks: staticrt backends and transformers on the same weights, in one
+process, one run, so ratios are not skewed by a noisy machine drifting between runs.
+
+`run_bench` is plan (plan.py) -> warm-up (contenders.py, hf.py) -> timed rounds -> summary. Decode
+is weight-streaming bound at small batch, so every result is also put against the machine's
+streaming rate (probes.py), sampled around each backend's own timed runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..checkpoint import load_model
+from ..dtypes import resolve_dtype
+from ..errors import BenchError
+from ..model import Decoder
+from .contenders import Contender, staticrt_contender
+from .plan import BenchRequest, Run, bench_prompts, plan_runs
+from .probes import StreamProbe, copy_bytes_per_s, kv_bytes_per_step, weight_bytes_per_step
+
+Stage = Callable[[str], None]
+Timings = dict[str, list[tuple[float, float]]]  # label -> (prefill s, decode s a step) per timed round
+
+__all__ = ["BenchError", "BenchRequest", "run_bench", "write_report"]
+
+
+def run_bench(model_name: str, backends: Sequence[str], on_stage: Stage = lambda _: None, **options: Any) -> dict[str, Any]:
+    """Benchmark `backends` on one model in one process; returns the JSON-ready report.
+    `options` are `BenchRequest`'s fields (new_tokens, prompt_len, window, offload, device, ...)."""
+    request = BenchRequest(model_name, tuple(backends), **options)
+    request.check()
+    if request.threads:
+        torch.set_num_threads(request.threads)
+    device = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(model_name, dtype=request.dtype, device=device)
+    if request.window is not None:
+        with_sliding_window(model, request.window)
+    runs = plan_runs(request, bench_prompts(model.config.vocab_size, request.batch_size, request.prompt_len))
+    probe = StreamProbe(resolve_dtype(request.dtype), torch.device(device))
+    copy_bps = copy_bytes_per_s(torch.device(device)) if device == "cuda" else None
+    contenders = warm_up(model, runs, request.new_tokens, on_stage)
+    timings, bracket = timed_rounds(contenders, probe, request.repeats, on_stage)
+    results = {run.label: result(request, model, run, contenders[run.label], timings[run.label],
+                                 [probe.samples[i] for i in sorted(bracket[run.label])], copy_bps) for run in runs}
+    return {
+        **{k: v for k, v in dataclasses.asdict(request).items() if k not in ("backends", "threads")},
+        "device": device,
+        "machine": machine(),
+        "matvec_bytes_per_s": statistics.median(probe.samples),  # each backend's own is in its entry
+        "copy_bytes_per_s": copy_bps,
+        "weight_bytes_per_step": weight_bytes_per_step(model, request.batch_size),
+        "backends": results,
+        "ratios": ratios(results),
+        # every run of the same prompts must choose the same tokens (the static-at-window runs differ)
+        "tokens_agree": len({json.dumps(r["tokens"]) for r in results.values()
+                             if r["prompt_len"] == request.prompt_len}) == 1,
+    }
+
+
+def with_sliding_window(model: Decoder, window: int) -> Decoder:
+    """The same weights as a Mistral-style model whose every layer attends through `window`
+    positions: a window changes masks and caches, never a weight, so one model serves both."""
+    layers = ("sliding_attention",) * model.config.num_layers
+    model.config = dataclasses.replace(model.config, family="mistral", sliding_window=window, layer_types=layers)
+    return model
+
+
+def warm_up(model: Decoder, runs: list[Run], new_tokens: int, on_stage: Stage) -> dict[str, Contender]:
+    """Every run's contender, built and run once (which compiles and captures)."""
+    from .hf import hf_contender
+
+    contenders = {}
+    for run in runs:
+        on_stage(f"{run.label}: warm-up (compiles) on {len(run.prompts[0])} prompt + {new_tokens} new tokens")
+        if run.backend == "hf":
+            contenders[run.label] = hf_contender(model, run.prompts, new_tokens)
+        else:
+            contenders[run.label] = staticrt_contender(model, run.backend, run.prompts, new_tokens, run.cache,
+                                                       run.max_cache_len)
+    return contenders
+
+
+def timed_rounds(
+    contenders: dict[str, Contender], probe: StreamProbe, repeats: int, on_stage: Stage
+) -> tuple[Timings, dict[str, set[int]]]:
+    """Rounds that take every contender in turn, so a drift of the machine's speed falls on all
+    of them alike, with the streaming rate sampled between any two timed generations. Returns the
+    timings and, per contender, the indices of the probe samples taken around its runs."""
+    timings: Timings = {label: [] for label in contenders}
+    bracket: dict[str, set[int]] = {label: set() for label in contenders}
+    for round_ in range(repeats):
+        on_stage(f"timed round {round_ + 1} of {repeats}: {', '.join(contenders)}")
+        for label, contender in contenders.items():
+            probe.sample()
+            bracket[label].update((len(probe.samples) - 1, len(probe.samples)))
+            timings[label].append(contender.run())
+    probe.sample()
+    return timings, bracket
+
+
+def result(
+    request: BenchRequest, model: Decoder, run: Run, contender: Contender, timings: list[tuple[float, float]],
+    samples: list[float], copy_bps: float | None,
+) -> dict[str, Any]:
+    """One run's entry: times, tokens, what the backend reports, and the fractions of the bound."""
+    prefill_s = statistics.median(p for p, _ in timings)
+    step_s = statistics.median(d for _, d in timings)
+    res: dict[str, Any] = {
+        "prefill_ms": 1000 * prefill_s, "decode_ms_per_token": 1000 * step_s,
+        "tokens_per_s": request.batch_size / step_s, "first_run_s": contender.warmup_s, "tokens": contender.tokens,
+        **contender.report(),
+    }
+    if "graph_gpu_ms" in res:
+        res["host_overhead_us"] = 1e6 * step_s - 1e3 * res["graph_gpu_ms"]
+    weight_bytes = weight_bytes_per_step(model, request.batch_size)
+    kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, resolve_dtype(request.dtype))
+    stream_bps = statistics.median(samples)
+    res.update(cache=run.cache, prompt_len=len(run.prompts[0]), weight_bytes_per_step=weight_bytes,
+               kv_bytes_per_step=kv_bytes, matvec_bytes_per_s=stream_bps, matvec_samples=samples,
+               streaming_fraction=weight_bytes / step_s / stream_bps,
+               streaming_fraction_with_kv=(weight_bytes + kv_bytes) / step_s / stream_bps)
+    if copy_bps:  # the CUDA goal's measure: weight + K/V bytes a step reads against a device copy
+        res["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step_s / copy_bps
+    return res
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float]:
+    """Decode speedups against transformers; for sliding and offloaded runs, their step cost over a
+    Static cache of the same attended length; for ONNX Runtime, its step cost over the compiled
+    torch backend."""
+    step = {label: res["decode_ms_per_token"] for label, res in results.items()}
+    found = {}
+    for label in step:
+        if "hf" in step and label != "hf":
+            found[f"{label}_decode_speedup_vs_hf"] = step["hf"] / step[label]
+        compiled = label.replace("onnx", "compiled", 1)
+        if label.startswith("onnx") and compiled in step:
+            found[f"{label}_decode_cost_vs_{compiled}"] = step[label] / step[compiled]
+        base, _, variant = label.rpartition("-")
+        if variant in ("sliding", "offloaded") and f"{base}-static" in step:
+            found[f"{label}_step_cost_vs_static"] = step[label] / step[f"{base}-static"]
+    return found
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    """Atomic: a reader never sees half a JSON file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,73 @@
+"""transformers as a contender: its own static-cache `generate`, decode step compiled, on the very
+weights staticrt runs, timed token by token."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import config_to_hf
+from ..model import Decoder
+from .contenders import Contender
+
+
+def hf_model_like(model: Decoder) -> Any:
+    """A transformers model holding the very same weights as `model`."""
+    import transformers
+
+    dtype = next(model.parameters()).dtype
+    cfg = transformers.AutoConfig.for_model(**config_to_hf(model.config))
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    hf.load_state_dict(state, strict=True)  # a name that does not match must not leave random weights
+    return hf
+
+
+class _TokenClock:
+    """A transformers streamer that timestamps every `put`: the prompt first, then each token."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int) -> Contender:
+    """transformers' own static-cache `generate` with its decode step compiled by torch.compile
+    (fullgraph, static shapes), on the same weights, timed token by token through a streamer."""
+    from transformers import CompileConfig
+
+    device = next(model.parameters()).device
+    hf = hf_model_like(model).to(device)
+    # Its sliding-window layers branch on a Python int length that grows every step: with static
+    # shapes that is a recompile a token (and a hard failure under fullgraph), so there dynamo may
+    # turn the int symbolic after the first recompile.
+    dynamic = None if model.config.sliding_window else False
+    compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, mode="default")
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, cache_implementation="static", compile_config=compile_config,
+                  eos_token_id=None, pad_token_id=0)
+
+    def generate() -> tuple[float, float, list[list[int]]]:
+        clock = _TokenClock()
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(ids, streamer=clock, **kwargs)
+        first = clock.stamps[1] if len(clock.stamps) > 1 else time.perf_counter()
+        gaps = np.diff(clock.stamps[1:])
+        return first - start, float(np.median(gaps)), out[:, ids.shape[1]:].tolist()
+
+    start = time.perf_counter()
+    _, _, tokens = generate()
+    return Contender(lambda: generate()[:2], tokens, time.perf_counter() - start)

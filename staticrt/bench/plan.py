@@ -1,0 +1,94 @@
+"""What a benchmark will run, decided before anything is loaded: the request, checked, and the
+list of runs (label, backend, cache, prompts) it expands to."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import BenchError
+
+# The defaults of `staticrt bench` and `run_bench`: a short prompt and enough tokens that the
+# median decode step is stable.
+NEW_TOKENS, PROMPT_LEN, REPEATS = 64, 32, 5
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """A benchmark as asked for. With `window`, every layer gets that sliding window; with
+    `offload`, each staticrt backend also runs with an OffloadedStatic cache."""
+
+    model: str
+    backends: tuple[str, ...]
+    new_tokens: int = NEW_TOKENS
+    prompt_len: int = PROMPT_LEN
+    batch_size: int = 1
+    repeats: int = REPEATS
+    threads: int | None = None
+    dtype: str = "float32"
+    window: int | None = None
+    offload: bool = False
+    device: str | None = None
+
+    def check(self) -> None:
+        """Refuse a combination that cannot run, naming the option, before anything is loaded."""
+        if self.window is not None and self.offload:
+            raise BenchError("--window and --offload compare different things; run them one at a time")
+        if self.offload and "onnx" in self.backends:
+            raise BenchError("offloaded caches do not export, so --offload cannot run the onnx backend; drop onnx "
+                             "from --backends")
+        if self.window is not None and self.prompt_len < self.window:
+            raise BenchError(
+                f"prompt_len {self.prompt_len} is shorter than window {self.window}; the sliding benchmark decodes "
+                f"past the window, so use --prompt-len {self.window} or more"
+            )
+        if self.window is not None and self.new_tokens >= self.window:
+            raise BenchError(
+                f"new_tokens {self.new_tokens} must be below window {self.window}: the Static run holds the window; "
+                "ask for fewer --new-tokens"
+            )
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed contender: `backend` with a `cache` on `prompts`; `attended` is the positions a
+    decode step attends to (what its K/V bytes are counted on)."""
+
+    label: str
+    backend: str
+    cache: str
+    prompts: list[list[int]]
+    attended: int
+    max_cache_len: int | None = None
+
+
+def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int]]:
+    """The same seeded random prompts for every contender."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, vocab, size=prompt_len).tolist() for _ in range(batch_size)]
+
+
+def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
+    """Every backend once on a Static cache; with `window`, each staticrt backend twice, with a
+    SlidingWindow cache past the window ("NAME-sliding") and a Static cache of `window` positions
+    ("NAME-static": the same attended length, so the only difference is the rotating buffer),
+    and "hf" with transformers' sliding-window cache; with `offload`, each staticrt backend with
+    a Static ("NAME-static") and an OffloadedStatic ("NAME-offloaded") cache."""
+    full = request.prompt_len + request.new_tokens
+    runs = []
+    for name in request.backends:
+        static = Run(name, name, "static", prompts, full)
+        if request.window is None and request.offload and name != "hf":
+            runs += [dataclasses.replace(static, label=f"{name}-static"),
+                     dataclasses.replace(static, label=f"{name}-offloaded", cache="offloaded")]
+        elif request.window is None:
+            runs.append(static)
+        elif name == "hf":
+            runs.append(Run(name, name, "sliding", prompts, request.window))
+        else:
+            short = [p[: request.window - request.new_tokens] for p in prompts]
+            runs += [Run(f"{name}-sliding", name, "sliding", prompts, request.window, request.prompt_len),
+                     Run(f"{name}-static", name, "static", short, request.window, request.window)]
+    return runs

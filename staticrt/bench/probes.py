@@ -1,0 +1,74 @@
+"""What a decode step can approach, measured on this machine in the same run: the streaming rate
+of a large matrix-vector product, a CUDA device's copy bandwidth, and the bytes a step must read."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Decoder
+
+
+def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
+    """Bytes of weights one decode step reads: every matrix once, but of an untied embedding
+    table only the looked-up rows."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    if model.lm_head is not None:
+        total -= embed.numel() * embed.element_size()
+        total += batch_size * embed.shape[1] * embed.element_size()
+    return total
+
+
+def kv_bytes_per_step(config: ModelConfig, batch_size: int, attended: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V a decode step must read when every layer attends to `attended` positions."""
+    element = torch.finfo(dtype).bits // 8
+    return 2 * config.num_layers * batch_size * config.num_kv_heads * attended * config.head_dim * element
+
+
+class StreamProbe:
+    """The streaming rate of a large matrix-vector product on `device`: the bound a decode step
+    can approach. A shared machine's memory bandwidth drifts by 20% and more from minute to minute,
+    so the rate is sampled next to each timed run (`sample` before every timed generation and
+    after the last) rather than once a process. The matrix is allocated once."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, mib: int = 256) -> None:
+        cols = 8192
+        rows = mib * 2**20 // (cols * torch.finfo(dtype).bits // 8)
+        self.matrix = torch.randn(rows, cols).to(dtype=dtype, device=device)  # [rows, 8192]
+        self.vector = torch.randn(cols).to(dtype=dtype, device=device)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        self.samples: list[float] = []
+
+    def sample(self, repeats: int = 15) -> float:
+        """Bytes/s of the median of `repeats` products after 3 warm-up ones; kept in `samples`."""
+        for _ in range(3):
+            torch.mv(self.matrix, self.vector)
+        times = []
+        for _ in range(repeats):
+            self.sync()
+            start = time.perf_counter()
+            torch.mv(self.matrix, self.vector)
+            self.sync()
+            times.append(time.perf_counter() - start)
+        rate = self.matrix.numel() * self.matrix.element_size() / statistics.median(times)
+        self.samples.append(rate)
+        return rate
+
+
+def copy_bytes_per_s(device: torch.device, mib: int = 1024, repeats: int = 20) -> float:
+    """A CUDA device's memory bandwidth as a device-to-device copy of `mib` MiB measures it (bytes
+    read plus bytes written a second): the yardstick of the CUDA-graph decode goal."""
+    source = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    target.copy_(source)
+    start.record()
+    for _ in range(repeats):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * source.numel() * repeats / (start.elapsed_time(end) / 1000)

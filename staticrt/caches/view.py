@@ -1,0 +1,92 @@
+"""What one layer sees of the cache in one step: mistral-inference's CacheView, in fixed shapes.
+
+A step's metadata (positions, write indices, one mask per kind of layer) is computed once, by
+`KVCache.begin_step`, and every layer gets a `LayerView` of it. The view decides the order of
+reading and writing, so attention reads the same for every cache: whether the layer's K/V
+arrived from host memory (offloaded), or is a graph's input (ONNX), is the cache's business.
+
+Where it is exact, a step writes its new entries first and then attends to the buffer alone
+(every linear layer; a rotating layer's decode step, whose one overwritten slot held the position
+a window back). A rotating layer in a multi-token step instead attends to the buffer as it was
+plus the step's own K/V, and writes afterwards: a query early in a long chunk still needs
+positions that the chunk's later tokens overwrite. The two parts' scores are joined, never the
+K/V. Write-first stays the rule elsewhere because a compiled graph that reads a buffer and then
+mutates it keeps the old contents alive, and inductor copies the whole buffer every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class StepMetadata:
+    """Computed once per step, shared by every layer (mistral-inference's CacheInputMetadata)."""
+
+    write_index: torch.Tensor  # [B] int64: tokens each row already holds in the cache
+    num_new: torch.Tensor  # [B] int64: real tokens each row adds this step (the rest is right padding)
+    positions: torch.Tensor  # [B, T] int64: each token's position, for RoPE and masks
+    masks: dict[tuple[str, bool], torch.Tensor]  # KVCache.mask_key(layer) -> bool [B, 1, T, L (+ T)]
+
+    @property
+    def batch(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        """T, the tokens a row holds in this step (1 in decode, a bucket in prefill)."""
+        return self.positions.shape[1]
+
+
+class ViewedCache(Protocol):
+    """What a view reads of its cache (base.py's KVCache)."""
+
+    rotating: tuple[bool, ...]
+
+    def mask_key(self, layer_idx: int) -> tuple[str, bool]: ...
+
+    def writes_first(self, rotating: bool, seq_len: int) -> bool: ...
+
+    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor,
+        num_new: torch.Tensor, after: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class LayerView:
+    """One layer's cache in one step: its mask, and scores and outputs over its keys and values,
+    written first or after as the module docstring says."""
+
+    def __init__(self, cache: ViewedCache, layer_idx: int, meta: StepMetadata) -> None:
+        self.cache, self.layer_idx, self.meta = cache, layer_idx, meta
+        self.mask = meta.masks[cache.mask_key(layer_idx)]  # [B, 1, T, L] or [B, 1, T, L + T]
+        self.writes_first = cache.writes_first(cache.rotating[layer_idx], meta.seq_len)
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`q [B, H_kv, G*T, D]` against the layer's keys `[B, H_kv, L, D]` -> `[B, H_kv, G*T, L]`,
+        joined by the scores against the step's own keys `k [B, H_kv, T, D]` where it reads first."""
+        meta = self.meta
+        if self.writes_first:
+            keys, _ = self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
+        else:
+            keys, _ = self.cache.layer_buffers(self.layer_idx)
+        scores = q @ keys.transpose(-1, -2)
+        if not self.writes_first:
+            scores = torch.cat([scores, q @ k.transpose(-1, -2)], dim=-1)  # [B, H_kv, G*T, L + T]
+        return scores
+
+    def weigh(self, probs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`probs [B, H_kv, G*T, L (+ T)]` over the layer's values (and the step's own `v`) ->
+        `[B, H_kv, G*T, D]`; a step that read first writes its `k`, `v` here, after the read."""
+        _, values = self.cache.layer_buffers(self.layer_idx)
+        held = values.shape[2]
+        out = probs[..., :held] @ values
+        if not self.writes_first:
+            out = out + probs[..., held:] @ v
+            self.cache.update(k, v, self.layer_idx, self.meta.write_index, self.meta.num_new, after=out)
+        return out

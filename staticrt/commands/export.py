@@ -1,0 +1,58 @@
+"""`staticrt export`: a model and its cache to an artifact folder, from a recipe or from options."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from ..artifact import FORMATS
+from ..console import console
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ..caches import CacheSpec
+    from ..checkpoint import load_model
+    from ..exporters import export_artifact
+
+    recipe = _recipe(args)
+    out = args.out or Path("artifacts") / recipe.name
+    model = load_model(recipe.model, dtype=recipe.dtype)
+
+    def copy_tokenizer(folder: Path) -> None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            source = Path(recipe.model) / name
+            if source.is_file():
+                (folder / name).write_bytes(source.read_bytes())
+
+    def stage(what: str, seconds: float) -> None:
+        console.print(f"  [green]done[/] {what} ({seconds:.1f} s)")
+
+    console.print(f"exporting {recipe.model} ({recipe.cache} cache, batch {recipe.batch_size}, max_cache_len "
+                  f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}) to {out}")
+    start = time.perf_counter()
+    with console.status("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
+        export_artifact(model, CacheSpec(recipe.cache, recipe.batch_size, recipe.max_cache_len, recipe.window),
+                        recipe.prefill_buckets, out, recipe.formats, {"recipe": recipe.to_dict()}, stage, copy_tokenizer)
+    console.print(f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3")
+    return 0
+
+
+def _recipe(args: argparse.Namespace) -> Any:
+    """The recipe file (its formats overridden by --format), or one made of --model and its options."""
+    from ..caches import resolve_max_cache_len
+    from ..checkpoint import load_config
+    from ..recipe import Recipe, read_recipe
+
+    formats = tuple(f.strip() for f in (args.format or "").split(",") if f.strip())
+    if args.recipe is not None:
+        recipe = read_recipe(args.recipe)
+        return dataclasses.replace(recipe, formats=formats) if formats else recipe
+    if not (args.model and args.out):
+        raise SystemExit("staticrt export: give a recipe (export/NAME.toml), or --model and --out")
+    config = load_config(args.model)
+    max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
+    return Recipe(name=args.out.name, model=args.model, cache=args.cache, batch_size=args.batch_size,
+                  max_cache_len=max_cache_len, prefill_buckets=tuple(args.prefill_buckets or (max_cache_len,)),
+                  formats=formats or FORMATS, dtype=args.dtype, window=args.window)

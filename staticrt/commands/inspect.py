@@ -1,0 +1,33 @@
+"""`staticrt inspect`: a cache's layout and memory, layer by layer, without allocating it."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..console import console, table
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..caches import CacheSpec, build_cache, resolve_max_cache_len
+    from ..checkpoint import load_config
+    from ..dtypes import resolve_dtype
+
+    config, dtype = load_config(args.model), resolve_dtype(args.dtype)
+    max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
+    cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len, args.window), dtype, "meta")
+    static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")
+    rows = []
+    for i, attention in enumerate(config.layer_types):
+        key, _ = cache.storage_buffers(i)
+        layout = cache.layer_layout(i)
+        rows.append([i, attention, layout, "host" if layout == "offloaded" else "device",
+                     "x".join(map(str, key.shape)), f"{2 * key.numel() * key.element_size():,}"])
+    title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"
+    if cache.window:
+        title += f", window {cache.window}"
+    columns = ["layer", "attention", "cache", "held in", "K and V shape [B,H_kv,L,D]", "bytes"]
+    console.print(table(title, columns, rows))
+    ours, host, full = cache.device_bytes(), cache.host_bytes(), static.device_bytes()
+    console.print(f"device bytes (K/V{', working buffers' if host else ''} and lengths): {ours:,}; host bytes: "
+                  f"{host:,}; a static cache of the same length holds {full:,} on the device ({ours / full:.1%} "
+                  "of it)", soft_wrap=True)
+    return 0

@@ -1,0 +1,56 @@
+"""Every error a user can cause, in one torch-free module.
+
+Each class derives from `StaticrtError`, so the CLI (and any caller) catches one class to tell
+a bad request from a bug; each message names the input, the limit and the way out. Nothing here
+imports torch or numpy: the ONNX deploy path raises these too.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class StaticrtError(ValueError):
+    """A request staticrt refuses, before any state changes; the message says what to do instead."""
+
+
+class GenerationError(StaticrtError):
+    """A bad generation request: prompts, token ids, lengths, sampling parameters."""
+
+
+class CacheError(StaticrtError):
+    """A cache request that cannot be met by this model or this cache kind."""
+
+
+class ConfigError(StaticrtError):
+    """A model config that staticrt cannot run, with the field at fault."""
+
+
+class CheckpointError(StaticrtError):
+    """A checkpoint folder that cannot be loaded, naming the file or tensor."""
+
+
+class ArtifactError(StaticrtError):
+    """An artifact that cannot be written or loaded as asked, naming the file or manifest field."""
+
+
+class BenchError(StaticrtError):
+    """A benchmark that cannot run as asked, naming the option."""
+
+
+def check_positions(
+    write_index: Sequence[int], seq_len: int, limit: int | None, cache_kind: str,
+    error: type[StaticrtError] = GenerationError,
+) -> None:
+    """Refuse, on the host and before anything runs, a step of `seq_len` tokens a row at
+    `write_index` that would write past position `limit - 1` of a `cache_kind` cache (None: no
+    limit). A compiled graph or an exported program cannot raise on data, so every backend checks here."""
+    if limit is None:
+        return
+    for row, start in enumerate(write_index):
+        if int(start) + seq_len > limit:
+            raise error(
+                f"row {row} writes positions {int(start)}..{int(start) + seq_len - 1}, but this {cache_kind} "
+                f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); build it with a larger "
+                "max_cache_len"
+            )
