@@ -16,8 +16,9 @@ import hashlib
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .errors import ArtifactError
 

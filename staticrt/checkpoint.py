@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig, load_hf_config
-from .presets import PRESETS
 from .dtypes import resolve_dtype
 from .errors import CheckpointError
 from .model import Decoder, init_random, use_column_major_weights
+from .presets import PRESETS
 from .rope import inverse_frequencies
 from .tokenizer import load_tokenizer
 
@@ -38,7 +38,7 @@ def _weight_files(folder: Path) -> list[Path]:
     if pickles:
         raise CheckpointError(
             f"{folder}: holds pickle weights {pickles}; staticrt loads safetensors only (pickles can run "
-            "code). Convert once with transformers: python -c \"from transformers import "
+            'code). Convert once with transformers: python -c "from transformers import '
             f"AutoModelForCausalLM as M; M.from_pretrained('{folder}').save_pretrained('{folder}')\""
         )
     raise CheckpointError(
@@ -86,9 +86,7 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
     if name in PRESETS:
         return PRESETS[name]
     if not Path(path_or_preset).is_dir():
-        raise CheckpointError(
-            f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder"
-        )
+        raise CheckpointError(f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
     return load_hf_config(Path(path_or_preset))
 
 

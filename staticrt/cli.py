@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .artifact import FORMATS
 from .console import console
@@ -46,25 +47,35 @@ def _prompt_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3"
+        ) from None
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required, help="preset name or Hugging Face checkpoint folder")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    p.add_argument("--cache", default="auto",
-                   help="KV cache: static (every position), sliding (every layer a rotating buffer of the "
-                        "window; generation never runs out), hybrid (rotating buffers for sliding-window "
-                        "layers only, as in Gemma2), offloaded (every layer's K/V in host memory, two layers' "
-                        "worth on the device), offloaded-hybrid (hybrid with the global layers offloaded), "
-                        "auto (default: what the model's config implies, static when the window is no "
-                        "shorter than --max-cache-len)")
-    p.add_argument("--max-cache-len", type=int, default=None,
-                   help="positions a static layer holds (default: run fits prompt + new tokens; export and "
-                        "inspect take the model's context, at most 1024; never below the window for sliding and "
-                        "hybrid)")
-    p.add_argument("--window", type=int, default=None,
-                   help="slots of a rotating layer (default: the model's sliding_window)")
+    p.add_argument(
+        "--cache",
+        default="auto",
+        help="KV cache: static (every position), sliding (every layer a rotating buffer of the "
+        "window; generation never runs out), hybrid (rotating buffers for sliding-window "
+        "layers only, as in Gemma2), offloaded (every layer's K/V in host memory, two layers' "
+        "worth on the device), offloaded-hybrid (hybrid with the global layers offloaded), "
+        "auto (default: what the model's config implies, static when the window is no "
+        "shorter than --max-cache-len)",
+    )
+    p.add_argument(
+        "--max-cache-len",
+        type=int,
+        default=None,
+        help="positions a static layer holds (default: run fits prompt + new tokens; export and "
+        "inspect take the model's context, at most 1024; never below the window for sliding and "
+        "hybrid)",
+    )
+    p.add_argument(
+        "--window", type=int, default=None, help="slots of a rotating layer (default: the model's sliding_window)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,56 +91,99 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default="tiny-llama", help="preset to demo (default tiny-llama)")
     demo.add_argument("--new-tokens", type=int, default=MAX_NEW_TOKENS)
 
-    run = sub.add_parser("run", help="generate from a prompt", formatter_class=argparse.RawDescriptionHelpFormatter,
-                         epilog="Tokens stream to stdout as they are chosen; --json prints one object at the end.")
-    run.add_argument("artifact", nargs="?", type=Path,
-                     help="an artifact folder from `staticrt export` (instead of --model): runs its programs")
+    run = sub.add_parser(
+        "run",
+        help="generate from a prompt",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Tokens stream to stdout as they are chosen; --json prints one object at the end.",
+    )
+    run.add_argument(
+        "artifact",
+        nargs="?",
+        type=Path,
+        help="an artifact folder from `staticrt export` (instead of --model): runs its programs",
+    )
     _add_model_args(run, required=False)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
-    src.add_argument("--prompt-ids", type=_prompt_ids, action="append",
-                     help="token ids of one row, comma-separated; repeat for a batch")
+    src.add_argument(
+        "--prompt-ids",
+        type=_prompt_ids,
+        action="append",
+        help="token ids of one row, comma-separated; repeat for a batch",
+    )
     run.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
-    run.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for torch, or for ONNX Runtime with --backend onnx (default: the library's choice)")
-    run.add_argument("--backend", default=None,
-                     help="with --model: eager (default) | compiled | cudagraph (CUDA graphs of the compiled step; the "
-                          "compiled path on a CPU) | reduce-overhead (torch.compile's own CUDA graphs); with an artifact: aoti (AOTInductor packages) | "
-                          "pt2 (torch.export programs) | onnx (ONNX Runtime, no torch), default the first it holds")
+    run.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch, or for ONNX Runtime with --backend onnx (default: the library's choice)",
+    )
+    run.add_argument(
+        "--backend",
+        default=None,
+        help="with --model: eager (default) | compiled | cudagraph (CUDA graphs of the compiled step; the "
+        "compiled path on a CPU) | reduce-overhead (torch.compile's own CUDA graphs); with an artifact: aoti "
+        "(AOTInductor packages) | pt2 (torch.export programs) | onnx (ONNX Runtime, no torch), default the "
+        "first it holds",
+    )
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     run.add_argument("--temperature", type=float, default=1.0)
     run.add_argument("--top-k", type=int, default=0)
     run.add_argument("--top-p", type=float, default=1.0)
     run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--stop-ids", type=_prompt_ids, default=None,
-                     help="stop token ids, comma-separated (default: the checkpoint's eos ids)")
-    run.add_argument("--json", action="store_true", help="print {\"tokens\": [[...] per row], ...} as one JSON object")
+    run.add_argument(
+        "--stop-ids",
+        type=_prompt_ids,
+        default=None,
+        help="stop token ids, comma-separated (default: the checkpoint's eos ids)",
+    )
+    run.add_argument("--json", action="store_true", help='print {"tokens": [[...] per row], ...} as one JSON object')
     _add_export_parser(sub)
 
     bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
     bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")
-    bench.add_argument("--backends", default="eager,compiled,hf",
-                       help="comma-separated: eager, compiled, cudagraph, reduce-overhead, onnx (exported to a "
-                            "temporary artifact, run in ONNX Runtime), hf (transformers, when installed)")
+    bench.add_argument(
+        "--backends",
+        default="eager,compiled,hf",
+        help="comma-separated: eager, compiled, cudagraph, reduce-overhead, onnx (exported to a "
+        "temporary artifact, run in ONNX Runtime), hf (transformers, when installed)",
+    )
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--prompt-len", type=int, default=32)
     bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--repeats", type=int, default=5,
-                       help="timed rounds after every backend's warm-up; a round runs each backend once, in turn")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed rounds after every backend's warm-up; a round runs each backend once, in turn",
+    )
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     bench.add_argument("--dtype", default="float32")
-    bench.add_argument("--window", type=int, default=None,
-                       help="give every layer this sliding window and compare, past it, a SlidingWindow cache "
-                            "with a Static cache of the window and transformers' sliding-window cache "
-                            "(needs --prompt-len >= window)")
-    bench.add_argument("--offload", action="store_true",
-                       help="run each staticrt backend with a Static and an OffloadedStatic cache and report "
-                            "the offloaded step's cost (make --prompt-len long enough that the K/V outweighs "
-                            "the weights)")
+    bench.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="give every layer this sliding window and compare, past it, a SlidingWindow cache "
+        "with a Static cache of the window and transformers' sliding-window cache "
+        "(needs --prompt-len >= window)",
+    )
+    bench.add_argument(
+        "--offload",
+        action="store_true",
+        help="run each staticrt backend with a Static and an OffloadedStatic cache and report "
+        "the offloaded step's cost (make --prompt-len long enough that the K/V outweighs "
+        "the weights)",
+    )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    bench.add_argument("--cold-start", type=Path, default=None, metavar="ARTIFACT",
-                       help="instead: time from a fresh process to the first token with this artifact's AOTInductor "
-                            "and pt2 programs, against the compiled backend on the same model (which compiles)")
+    bench.add_argument(
+        "--cold-start",
+        type=Path,
+        default=None,
+        metavar="ARTIFACT",
+        help="instead: time from a fresh process to the first token with this artifact's AOTInductor "
+        "and pt2 programs, against the compiled backend on the same model (which compiles)",
+    )
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
 
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
@@ -140,30 +194,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_export_parser(sub: Any) -> None:
     export = sub.add_parser(
-        "export", help="export a model with its cache to an artifact folder",
+        "export",
+        help="export a model with its cache to an artifact folder",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  staticrt export export/tiny-mistral.toml          # writes artifacts/tiny-mistral/\n"
-               "  staticrt export --model ./my-llama --cache static --batch-size 1 --max-cache-len 2048 \\\n"
-               "      --prefill-buckets 128,512 --out artifacts/my-llama\n"
-               "  staticrt export export/tiny-llama.toml --format onnx  # only the recipe's ONNX graph\n"
-               "  staticrt run artifacts/tiny-mistral --prompt-ids 1,2,3 --json\n"
-               "  staticrt run artifacts/tiny-mistral --backend onnx --prompt-ids 1,2,3   # ONNX Runtime, no torch")
+        "  staticrt export --model ./my-llama --cache static --batch-size 1 --max-cache-len 2048 \\\n"
+        "      --prefill-buckets 128,512 --out artifacts/my-llama\n"
+        "  staticrt export export/tiny-llama.toml --format onnx  # only the recipe's ONNX graph\n"
+        "  staticrt run artifacts/tiny-mistral --prompt-ids 1,2,3 --json\n"
+        "  staticrt run artifacts/tiny-mistral --backend onnx --prompt-ids 1,2,3   # ONNX Runtime, no torch",
+    )
     export.add_argument("recipe", nargs="?", type=Path, help="a recipe, export/NAME.toml (writes artifacts/NAME/)")
     _add_model_args(export, required=False)
     export.add_argument("--batch-size", type=int, default=1)
-    export.add_argument("--prefill-buckets", type=_prompt_ids, default=None,
-                        help="prompt widths to export a prefill program for, comma-separated (default: max-cache-len)")
-    export.add_argument("--format", default=None,
-                        help="comma-separated: aoti (AOTInductor packages), pt2 (torch.export programs), onnx (an "
-                             "ONNX graph with genai_config.json for ONNX Runtime and onnxruntime-genai); default: "
-                             f"the recipe's formats, or all of {','.join(FORMATS)} with --model")
+    export.add_argument(
+        "--prefill-buckets",
+        type=_prompt_ids,
+        default=None,
+        help="prompt widths to export a prefill program for, comma-separated (default: max-cache-len)",
+    )
+    export.add_argument(
+        "--format",
+        default=None,
+        help="comma-separated: aoti (AOTInductor packages), pt2 (torch.export programs), onnx (an "
+        "ONNX graph with genai_config.json for ONNX Runtime and onnxruntime-genai); default: "
+        f"the recipe's formats, or all of {','.join(FORMATS)} with --model",
+    )
     export.add_argument("--out", type=Path, default=None, help="artifact folder (default artifacts/RECIPE_NAME)")
 
 
 # command -> (module, function), imported when the command runs
-COMMANDS = {"demo": ("staticrt.demo", "cmd_demo"), "run": ("staticrt.commands.run", "cmd_run"),
-            "export": ("staticrt.commands.export", "cmd_export"), "bench": ("staticrt.bench.command", "cmd_bench"),
-            "inspect": ("staticrt.commands.inspect", "cmd_inspect")}
+COMMANDS = {
+    "demo": ("staticrt.demo", "cmd_demo"),
+    "run": ("staticrt.commands.run", "cmd_run"),
+    "export": ("staticrt.commands.export", "cmd_export"),
+    "bench": ("staticrt.bench.command", "cmd_bench"),
+    "inspect": ("staticrt.commands.inspect", "cmd_inspect"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -64,9 +64,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ConfigError(
-                f"model family {self.family!r} is not supported; staticrt runs {', '.join(FAMILIES)}"
-            )
+            raise ConfigError(f"model family {self.family!r} is not supported; staticrt runs {', '.join(FAMILIES)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -75,9 +73,7 @@ class ModelConfig:
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
-            raise ConfigError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
-            )
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         bad = sorted(set(self.layer_types) - set(LAYER_KINDS))
         if bad:
             raise ConfigError(f"layer_types holds {bad}; staticrt knows {list(LAYER_KINDS)}")
@@ -107,9 +103,7 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(
-            f"rope type {kind!r} is not supported; staticrt implements default, linear and llama3"
-        )
+        raise ConfigError(f"rope type {kind!r} is not supported; staticrt implements default, linear and llama3")
     return RopeConfig(
         theta=theta,
         kind=kind,
@@ -144,8 +138,7 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(
-            f"{source}: model_type {family!r} is not supported; staticrt runs {', '.join(FAMILIES)} "
-            "checkpoints"
+            f"{source}: model_type {family!r} is not supported; staticrt runs {', '.join(FAMILIES)} checkpoints"
         )
     try:
         hidden = int(cfg["hidden_size"])
@@ -198,25 +191,41 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if config.rope.kind != "default":
         rope["factor"] = config.rope.factor
     if config.rope.kind == "llama3":
-        rope.update(low_freq_factor=config.rope.low_freq_factor, high_freq_factor=config.rope.high_freq_factor,
-                    original_max_position_embeddings=config.rope.original_max_position_embeddings)
+        rope.update(
+            low_freq_factor=config.rope.low_freq_factor,
+            high_freq_factor=config.rope.high_freq_factor,
+            original_max_position_embeddings=config.rope.original_max_position_embeddings,
+        )
     cfg = {
-        "model_type": config.family, "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_parameters": rope,
+        "model_type": config.family,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": rope,
         "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias, "bos_token_id": None, "eos_token_id": None, "pad_token_id": 0,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "mlp_bias": config.mlp_bias,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": 0,
     }
     if config.sliding_window is not None:
         cfg["sliding_window"] = config.sliding_window
         if config.family != "mistral":  # Mistral windows every layer and takes no layer_types
             cfg["layer_types"] = list(config.layer_types)
     if config.family == "gemma2":
-        cfg.update(hidden_activation=config.hidden_act, query_pre_attn_scalar=config.query_pre_attn_scalar,
-                   attn_logit_softcapping=config.attn_logit_softcapping,
-                   final_logit_softcapping=config.final_logit_softcapping)
+        cfg.update(
+            hidden_activation=config.hidden_act,
+            query_pre_attn_scalar=config.query_pre_attn_scalar,
+            attn_logit_softcapping=config.attn_logit_softcapping,
+            final_logit_softcapping=config.final_logit_softcapping,
+        )
     else:
         cfg["hidden_act"] = config.hidden_act
     if config.family == "qwen2":

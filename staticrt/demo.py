@@ -27,8 +27,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"[bold]staticrt demo[/] on {args.model}: {len(PROMPTS)} prompts, {args.new_tokens} new tokens each")
     scratch = tempfile.TemporaryDirectory()
     artifact = Path(scratch.name) / "demo"
-    with console.status("exporting torch.export programs and an ONNX graph (AOTInductor packages take a minute "
-                        "more to build: `staticrt export` makes them)"):
+    with console.status(
+        "exporting torch.export programs and an ONNX graph (AOTInductor packages take a minute "
+        "more to build: `staticrt export` makes them)"
+    ):
         start = time.perf_counter()
         export_artifact(model, CacheSpec("static", len(PROMPTS), 64), [16], artifact, ["pt2", "onnx"])
     console.print(f"exported pt2 programs and an onnx graph in {time.perf_counter() - start:.1f} s")
@@ -37,9 +39,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     backends = [name for name in MODEL_BACKENDS if torch.cuda.is_available() or name not in cuda_only]
     if len(backends) < len(MODEL_BACKENDS):
         console.print(f"{', '.join(cuda_only)}: no CUDA device here, where they run the compiled path; skipped")
-    makers = {name: partial(Generator, model, max_batch_size=len(PROMPTS), max_cache_len=64, backend=name)
-              for name in backends}
-    makers |= {"exported-pt2": partial(load_artifact, artifact, "pt2"), "onnx": partial(load_artifact, artifact, "onnx")}
+    makers = {
+        name: partial(Generator, model, max_batch_size=len(PROMPTS), max_cache_len=64, backend=name)
+        for name in backends
+    }
+    makers |= {
+        "exported-pt2": partial(load_artifact, artifact, "pt2"),
+        "onnx": partial(load_artifact, artifact, "onnx"),
+    }
     results, rows = {}, []
     for name, make in makers.items():
         with console.status(f"{name}: first run (compiles or exports where the backend does)"):
@@ -49,10 +56,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
             first = time.perf_counter() - start
         results[name] = gen.generate(PROMPTS, max_new_tokens=args.new_tokens)
         stats = gen.last_stats
-        rows.append([name, first, 1000 * stats.prefill_s, stats.decode_ms_per_token,
-                     len(PROMPTS) * 1000 / stats.decode_ms_per_token])
-    console.print(table("tokens/s (decode, batch of 3)", ["backend", "first run s", "prefill ms", "decode ms/step",
-                                                           "tokens/s"], rows))
+        rows.append(
+            [
+                name,
+                first,
+                1000 * stats.prefill_s,
+                stats.decode_ms_per_token,
+                len(PROMPTS) * 1000 / stats.decode_ms_per_token,
+            ]
+        )
+    console.print(
+        table(
+            "tokens/s (decode, batch of 3)",
+            ["backend", "first run s", "prefill ms", "decode ms/step", "tokens/s"],
+            rows,
+        )
+    )
     return _agree(results)
 
 

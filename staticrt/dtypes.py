@@ -6,9 +6,15 @@ import torch
 
 from .errors import CheckpointError
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "int64": torch.int64}  # int64: cache lengths, in artifact manifests
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "int64": torch.int64,
+}  # int64: cache lengths, in artifact manifests
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -7,7 +7,7 @@ imports torch or numpy: the ONNX deploy path raises these too.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class StaticrtError(ValueError):
@@ -39,7 +39,10 @@ class BenchError(StaticrtError):
 
 
 def check_positions(
-    write_index: Sequence[int], seq_len: int, limit: int | None, cache_kind: str,
+    write_index: Sequence[int],
+    seq_len: int,
+    limit: int | None,
+    cache_kind: str,
     error: type[StaticrtError] = GenerationError,
 ) -> None:
     """Refuse, on the host and before anything runs, a step of `seq_len` tokens a row at

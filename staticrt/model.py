@@ -103,7 +103,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c, bias = config, config.mlp_bias
-        self.gate_up_proj = FusedLinear(c.hidden_size, {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}, bias)
+        self.gate_up_proj = FusedLinear(
+            c.hidden_size, {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}, bias
+        )
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=bias)
         self.tanh_gelu = c.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
         name_fused_parts_apart(self)
@@ -181,8 +183,8 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_offset)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
 

@@ -59,8 +59,11 @@ def onnx_translations() -> dict:
         if after is not None:
             # x < x is false for every x (NaN included) but depends on x, and no optimiser folds
             # it: a zero the write has to wait for.
-            first = op.Slice(op.Reshape(after, op.Constant(value_ints=[-1])), op.Constant(value_ints=[0]),
-                             op.Constant(value_ints=[1]))
+            first = op.Slice(
+                op.Reshape(after, op.Constant(value_ints=[-1])),
+                op.Constant(value_ints=[0]),
+                op.Constant(value_ints=[1]),
+            )
             write_indices = op.Add(write_indices, op.Cast(op.Less(first, first), to=onnx.TensorProto.INT64))
         return op.TensorScatter(past, update, write_indices, mode="circular" if circular else "linear", axis=2)
 

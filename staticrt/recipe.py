@@ -55,7 +55,9 @@ def read_recipe(path: str | Path) -> Recipe:
     known = {f.name for f in fields(Recipe)} - {"name"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ArtifactError(f"recipe {path}: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(sorted(known))}")
+        raise ArtifactError(
+            f"recipe {path}: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(sorted(known))}"
+        )
     required = ("model", "cache", "batch_size", "max_cache_len", "prefill_buckets", "formats")
     missing = [k for k in required if k not in data]
     if missing:
@@ -64,7 +66,13 @@ def read_recipe(path: str | Path) -> Recipe:
     if (path.parent / model).exists():  # a checkpoint folder beside the recipe; else a preset or a full path
         model = str((path.parent / model).resolve())
     return Recipe(
-        name=path.stem, model=model, cache=data["cache"], batch_size=int(data["batch_size"]),
-        max_cache_len=int(data["max_cache_len"]), prefill_buckets=tuple(int(b) for b in data["prefill_buckets"]),
-        formats=tuple(data["formats"]), dtype=data.get("dtype", "float32"), window=data.get("window"),
+        name=path.stem,
+        model=model,
+        cache=data["cache"],
+        batch_size=int(data["batch_size"]),
+        max_cache_len=int(data["max_cache_len"]),
+        prefill_buckets=tuple(int(b) for b in data["prefill_buckets"]),
+        formats=tuple(data["formats"]),
+        dtype=data.get("dtype", "float32"),
+        window=data.get("window"),
     )

@@ -29,7 +29,9 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin `[B, 1, T, head_dim]` for `positions [B, T]`; computed in float32 like transformers,
     then cast, once per step for all layers."""
     freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]

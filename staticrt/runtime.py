@@ -8,9 +8,10 @@ face over any of them: a model (or an artifact) bound to a cache and a backend.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .artifact import FORMATS, read_manifest, require_format
 from .errors import GenerationError
@@ -106,8 +107,13 @@ class Generator:
             self.backend: StepBackend = model
         else:
             self.backend = create_backend(
-                backend, model, cache=cache, max_batch_size=max_batch_size,
-                max_cache_len=max_cache_len, prefill_buckets=prefill_buckets, window=window,
+                backend,
+                model,
+                cache=cache,
+                max_batch_size=max_batch_size,
+                max_cache_len=max_cache_len,
+                prefill_buckets=prefill_buckets,
+                window=window,
             )
         self.last_stats = GenerationStats()
 
@@ -126,6 +132,4 @@ class Generator:
         """New token ids per prompt; timings of the call land in `self.last_stats`."""
         sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed)
         self.last_stats = GenerationStats()
-        return generate_tokens(
-            self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, self.last_stats
-        )
+        return generate_tokens(self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, self.last_stats)

@@ -23,7 +23,9 @@ def hf_checkpoints(tmp_path_factory):
     """family -> (checkpoint folder written by save_pretrained, the transformers model)."""
     pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
     root = tmp_path_factory.mktemp("hf")
-    return {fam: (root / fam, save_hf_model(fam, root / fam)) for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16")}
+    return {
+        fam: (root / fam, save_hf_model(fam, root / fam)) for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16")
+    }
 
 
 @pytest.fixture(scope="module")

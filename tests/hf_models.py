@@ -31,12 +31,21 @@ def family_config(family: str, **overrides):
     if family == "llama":
         cfg = tf.LlamaConfig(
             **COMMON,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
         )
     elif family == "llama-linear-tied":
-        cfg = tf.LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True,
-                             rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+        cfg = tf.LlamaConfig(
+            **{**COMMON, "num_key_value_heads": 1},
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        )
     elif family == "mistral":
         cfg = tf.MistralConfig(**COMMON, sliding_window=None)
     elif family == "mistral-sw16":  # every layer attends through a window of 16
@@ -79,6 +88,12 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
     """transformers' eager `generate`, one unpadded row at a time: the reference each row of a
     staticrt batch must reproduce."""
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()

@@ -12,8 +12,15 @@ import pytest
 
 PACKAGE = Path(__file__).parent.parent / "staticrt"
 # Never import torch, directly or through what they import: an ONNX artifact deploys without it.
-TORCH_FREE = ("staticrt.errors", "staticrt.generate", "staticrt.artifact", "staticrt.host_sampling",
-              "staticrt.runtime", "staticrt.backends.onnx", "staticrt.cli")
+TORCH_FREE = (
+    "staticrt.errors",
+    "staticrt.generate",
+    "staticrt.artifact",
+    "staticrt.host_sampling",
+    "staticrt.runtime",
+    "staticrt.backends.onnx",
+    "staticrt.cli",
+)
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 300, 60
 
 
@@ -94,6 +101,7 @@ def test_modules_and_functions_stay_small():
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
 def test_the_tree_is_clean_under_ruff(command):  # ruff is in the test extra, with its settings in pyproject.toml
     root = PACKAGE.parent
-    done = subprocess.run([sys.executable, "-m", "ruff", *command, "staticrt", "tests"], cwd=root,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", *command, "staticrt", "tests"], cwd=root, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stdout + done.stderr

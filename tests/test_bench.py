@@ -16,11 +16,17 @@ def test_sliding_bench_compares_the_same_tokens_as_transformers():
     report = run_bench("tiny-llama", ["eager", "hf"], new_tokens=8, prompt_len=80, repeats=1, window=64)
     runs = report["backends"]
     assert {k: (r["cache"], r["prompt_len"]) for k, r in runs.items()} == {
-        "eager-sliding": ("sliding", 80), "eager-static": ("static", 56), "hf": ("sliding", 80)}
+        "eager-sliding": ("sliding", 80),
+        "eager-static": ("static", 56),
+        "hf": ("sliding", 80),
+    }
     assert runs["eager-sliding"]["tokens"] == runs["hf"]["tokens"]  # transformers' own sliding cache agrees
     assert report["tokens_agree"]
-    assert set(report["ratios"]) == {"eager-sliding_decode_speedup_vs_hf", "eager-sliding_step_cost_vs_static",
-                                     "eager-static_decode_speedup_vs_hf"}
+    assert set(report["ratios"]) == {
+        "eager-sliding_decode_speedup_vs_hf",
+        "eager-sliding_step_cost_vs_static",
+        "eager-static_decode_speedup_vs_hf",
+    }
     # K/V read per step: 2 (K and V) x 2 layers x 1 row x 2 heads x 64 positions x 16 dims x 4 bytes
     assert runs["eager-sliding"]["kv_bytes_per_step"] == runs["eager-static"]["kv_bytes_per_step"] == 32768
 
@@ -42,9 +48,13 @@ def test_each_backend_is_held_against_the_streaming_rate_sampled_around_its_own_
 
 
 def test_sliding_bench_needs_a_prompt_past_the_window():
-    with pytest.raises(BenchError, match=re.escape(
+    with pytest.raises(
+        BenchError,
+        match=re.escape(
             "prompt_len 32 is shorter than window 64; the sliding benchmark decodes past the window, so use "
-            "--prompt-len 64 or more")):
+            "--prompt-len 64 or more"
+        ),
+    ):
         run_bench("tiny-llama", ["eager"], prompt_len=32, window=64)
 
 
@@ -53,12 +63,17 @@ def test_offload_bench_runs_static_and_offloaded_caches_on_the_same_prompts():
     report = run_bench("tiny-llama", ["eager"], new_tokens=8, prompt_len=48, repeats=1, offload=True, device="cpu")
     runs = report["backends"]
     assert {k: (r["cache"], r["prompt_len"]) for k, r in runs.items()} == {
-        "eager-static": ("static", 48), "eager-offloaded": ("offloaded", 48)}
+        "eager-static": ("static", 48),
+        "eager-offloaded": ("offloaded", 48),
+    }
     assert report["tokens_agree"] and set(report["ratios"]) == {"eager-offloaded_step_cost_vs_static"}
     # 56 positions x 2 layers x (K and V) x 2 heads x 16 dims x 4 bytes, plus the 8-byte length
     assert (runs["eager-static"]["cache_device_bytes"], runs["eager-static"]["cache_host_bytes"]) == (28680, 0)
     # tiny-llama has two layers: the two working buffers are as large as the whole cache
-    assert (runs["eager-offloaded"]["cache_device_bytes"], runs["eager-offloaded"]["cache_host_bytes"]) == (28680, 28672)
+    assert (runs["eager-offloaded"]["cache_device_bytes"], runs["eager-offloaded"]["cache_host_bytes"]) == (
+        28680,
+        28672,
+    )
 
 
 def test_offload_and_window_benches_are_separate():
@@ -74,6 +89,9 @@ def test_onnx_bench_exports_and_runs_the_same_tokens_as_eager():
 
 
 def test_onnx_cannot_join_the_offload_bench():
-    with pytest.raises(BenchError, match=r"^offloaded caches do not export, so --offload cannot run the onnx "
-                                         r"backend; drop onnx from --backends$"):
+    with pytest.raises(
+        BenchError,
+        match=r"^offloaded caches do not export, so --offload cannot run the onnx "
+        r"backend; drop onnx from --backends$",
+    ):
         run_bench("tiny-llama", ["onnx"], offload=True)

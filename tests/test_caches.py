@@ -11,15 +11,24 @@ import torch
 
 import staticrt
 from staticrt.caches import CacheSpec, HybridCache, SlidingWindowCache, StaticCache, build_cache, masks
-from staticrt.errors import CacheError
 from staticrt.config import ModelConfig
+from staticrt.errors import CacheError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 def one_head_config(**kw) -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=8, hidden_size=1, intermediate_size=1, num_layers=2,
-                       num_heads=1, num_kv_heads=1, head_dim=1, **kw)
+    return ModelConfig(
+        family="llama",
+        vocab_size=8,
+        hidden_size=1,
+        intermediate_size=1,
+        num_layers=2,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+        **kw,
+    )
 
 
 def write(cache, layer: int, start: list[int], steps: int, num_new: list[int] | None = None) -> None:
@@ -115,8 +124,9 @@ def test_static_rows_write_at_their_own_index_in_place():
 
 
 def test_static_mask_is_causal_and_windowed_for_sliding_layers():
-    cache = StaticCache(one_head_config(sliding_window=2, layer_types=(SLIDING, FULL)), CacheSpec("static", 1, 6),
-                        torch.float32)
+    cache = StaticCache(
+        one_head_config(sliding_window=2, layer_types=(SLIDING, FULL)), CacheSpec("static", 1, 6), torch.float32
+    )
     write(cache, 0, [0], 2)
     assert [seen(cache, 1, [2, 3, 4], q) for q in range(3)] == [[0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
     assert [seen(cache, 0, [2, 3, 4], q) for q in range(3)] == [[1, 2], [2, 3], [3, 4]]
@@ -126,9 +136,13 @@ def test_static_mask_is_causal_and_windowed_for_sliding_layers():
 def test_static_cache_of_four_refuses_position_four():
     cache = StaticCache(one_head_config(), CacheSpec("static", 1, 4), torch.float32)
     cache.check_step([3], 1)
-    with pytest.raises(CacheError, match=re.escape(
+    with pytest.raises(
+        CacheError,
+        match=re.escape(
             "row 0 writes positions 4..4, but this static cache holds positions 0..3 (max_cache_len=4); "
-            "build it with a larger max_cache_len")):
+            "build it with a larger max_cache_len"
+        ),
+    ):
         cache.check_step([4], 1)
 
 
@@ -142,8 +156,9 @@ def test_backend_refuses_a_step_past_the_static_cache_before_running_it():
 
 
 def test_hybrid_window_two_rotates_sliding_layers_and_keeps_every_position_in_global_ones():
-    cache = HybridCache(one_head_config(sliding_window=2, layer_types=(SLIDING, FULL)), CacheSpec("hybrid", 1, 6),
-                        torch.float32)
+    cache = HybridCache(
+        one_head_config(sliding_window=2, layer_types=(SLIDING, FULL)), CacheSpec("hybrid", 1, 6), torch.float32
+    )
     assert [cache.layer_layout(i) for i in range(2)] == ["sliding", "static"]
     assert [tuple(cache.layer_buffers(i)[0].shape) for i in range(2)] == [(1, 1, 2, 1), (1, 1, 6, 1)]
     write(cache, 0, [0], 3)
@@ -171,8 +186,12 @@ def test_reorder_cache_permutes_rows():
 
 @pytest.mark.parametrize(
     ("preset", "max_cache_len", "kind"),
-    [("tiny-llama", 128, "static"), ("tiny-mistral", 128, "sliding"), ("tiny-gemma2", 128, "hybrid"),
-     ("tiny-gemma2", 32, "static")],  # a window of 64 is no saving on 32 positions
+    [
+        ("tiny-llama", 128, "static"),
+        ("tiny-mistral", 128, "sliding"),
+        ("tiny-gemma2", 128, "hybrid"),
+        ("tiny-gemma2", 32, "static"),
+    ],  # a window of 64 is no saving on 32 positions
 )
 def test_auto_takes_what_the_config_implies(preset, max_cache_len, kind):
     config = staticrt.load_model(preset).config
@@ -182,9 +201,18 @@ def test_auto_takes_what_the_config_implies(preset, max_cache_len, kind):
 def test_qwen2_max_window_layers_decides_which_layers_rotate():
     from staticrt.config import config_from_hf
 
-    hf = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 4,
-          "num_attention_heads": 2, "num_key_value_heads": 1, "use_sliding_window": True, "sliding_window": 4,
-          "max_window_layers": 2}
+    hf = {
+        "model_type": "qwen2",
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "use_sliding_window": True,
+        "sliding_window": 4,
+        "max_window_layers": 2,
+    }
     cache = build_cache(config_from_hf(hf), CacheSpec("auto", 1, 16), torch.float32, "meta")
     assert cache.kind == "hybrid"
     assert [cache.layer_layout(i) for i in range(4)] == ["static", "static", "sliding", "sliding"]
@@ -194,26 +222,47 @@ def test_qwen2_max_window_layers_decides_which_layers_rotate():
 @pytest.mark.parametrize(
     ("preset", "kwargs", "message"),
     [
-        ("tiny-mistral", {"cache": "sliding", "max_cache_len": 32},
-         "window is 64, larger than max_cache_len 32; a rotating buffer would hold more than the whole sequence; "
-         "use cache='static' (it covers the window) or raise max_cache_len to at least 64"),
-        ("tiny-mistral", {"cache": "sliding", "window": 0},
-         "window is 0; a sliding cache needs at least 1 slot a layer"),
-        ("tiny-mistral", {"cache": "sliding", "window": 32},
-         "window is 32, smaller than the model's sliding_window 64; the cache would drop positions the model "
-         "attends to; use window >= 64 or leave it unset"),
-        ("tiny-gemma2", {"cache": "sliding"},
-         "cache 'sliding' keeps only the last 64 positions, but layers [1] of this gemma2 model attend to every "
-         "position; use cache='hybrid' (or 'auto')"),
-        ("tiny-llama", {"cache": "hybrid"},
-         "cache 'hybrid' gives sliding-window layers a rotating buffer, but no layer of this llama model attends "
-         "through a sliding window; use cache='static'"),
-        ("tiny-llama", {"cache": "sliding"},
-         "cache 'sliding' gives sliding-window layers a rotating buffer, but no layer of this llama model "
-         "attends through a sliding window; use cache='static'"),
-        ("tiny-llama", {"cache": "static", "window": 8},
-         "window=8 has no effect on a static cache, whose layers all hold max_cache_len positions; drop the "
-         "window or use cache='sliding' or 'hybrid'"),
+        (
+            "tiny-mistral",
+            {"cache": "sliding", "max_cache_len": 32},
+            "window is 64, larger than max_cache_len 32; a rotating buffer would hold more than the whole sequence; "
+            "use cache='static' (it covers the window) or raise max_cache_len to at least 64",
+        ),
+        (
+            "tiny-mistral",
+            {"cache": "sliding", "window": 0},
+            "window is 0; a sliding cache needs at least 1 slot a layer",
+        ),
+        (
+            "tiny-mistral",
+            {"cache": "sliding", "window": 32},
+            "window is 32, smaller than the model's sliding_window 64; the cache would drop positions the model "
+            "attends to; use window >= 64 or leave it unset",
+        ),
+        (
+            "tiny-gemma2",
+            {"cache": "sliding"},
+            "cache 'sliding' keeps only the last 64 positions, but layers [1] of this gemma2 model attend to every "
+            "position; use cache='hybrid' (or 'auto')",
+        ),
+        (
+            "tiny-llama",
+            {"cache": "hybrid"},
+            "cache 'hybrid' gives sliding-window layers a rotating buffer, but no layer of this llama model attends "
+            "through a sliding window; use cache='static'",
+        ),
+        (
+            "tiny-llama",
+            {"cache": "sliding"},
+            "cache 'sliding' gives sliding-window layers a rotating buffer, but no layer of this llama model "
+            "attends through a sliding window; use cache='static'",
+        ),
+        (
+            "tiny-llama",
+            {"cache": "static", "window": 8},
+            "window=8 has no effect on a static cache, whose layers all hold max_cache_len positions; drop the "
+            "window or use cache='sliding' or 'hybrid'",
+        ),
     ],
 )
 def test_cache_requests_the_model_cannot_use(preset, kwargs, message):

@@ -40,8 +40,9 @@ def test_run_text_prompt_uses_the_checkpoint_tokenizer(hf_checkpoints, tmp_path,
 
 
 def test_run_reports_bad_input_with_exit_code_2(capsys):
-    code = main(["run", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "4",
-                 "--max-cache-len", "5"])
+    code = main(
+        ["run", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--max-cache-len", "5"]
+    )
     assert code == 2
     assert "beyond max_cache_len=5" in capsys.readouterr().err
 
@@ -55,8 +56,18 @@ def test_demo_runs_every_backend_and_they_agree():
 
 def test_run_sliding_cache_generates_past_max_cache_len_and_matches_transformers(hf_checkpoints, capsys):
     folder, hf = hf_checkpoints["mistral-sw16"]
-    args = ["run", "--model", str(folder), "--cache", "sliding", "--prompt-ids", "5,17,99,3", "--max-new-tokens",
-            "60", "--json"]
+    args = [
+        "run",
+        "--model",
+        str(folder),
+        "--cache",
+        "sliding",
+        "--prompt-ids",
+        "5,17,99,3",
+        "--max-new-tokens",
+        "60",
+        "--json",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["cache"] == "sliding"  # max_cache_len defaulted to the window, 16: far below 64 positions
@@ -68,10 +79,14 @@ def test_inspect_prints_each_layer_and_the_total_against_static(capsys):
     err = capsys.readouterr().err
     # tiny-gemma2: 2 KV heads of 16, layer 0 windowed (64 slots), layer 1 global; float32
     assert "tiny-gemma2: hybrid cache, batch 1, max_cache_len 4096, window 64" in err
-    assert inspect_cells(err) == [["0", "sliding_attention", "sliding", "device", "1x2x64x16", "16,384"],
-                                  ["1", "full_attention", "static", "device", "1x2x4096x16", "1,048,576"]]
-    assert ("device bytes (K/V and lengths): 1,064,968; host bytes: 0; a static cache of the same length "
-            "holds 2,097,160 on the device (50.8% of it)") in err
+    assert inspect_cells(err) == [
+        ["0", "sliding_attention", "sliding", "device", "1x2x64x16", "16,384"],
+        ["1", "full_attention", "static", "device", "1x2x4096x16", "1,048,576"],
+    ]
+    assert (
+        "device bytes (K/V and lengths): 1,064,968; host bytes: 0; a static cache of the same length "
+        "holds 2,097,160 on the device (50.8% of it)"
+    ) in err
 
 
 def inspect_cells(err: str) -> list[list[str]]:
@@ -82,12 +97,17 @@ def test_inspect_shows_offloaded_layers_on_the_host_and_two_working_buffers_on_t
     assert main(["inspect", "--model", "bench-llama", "--cache", "offloaded", "--max-cache-len", "8192"]) == 0
     err = capsys.readouterr().err
     # bench-llama: 8 layers, 2 KV heads of 64, float32: 8 MiB of K and V a layer
-    assert inspect_cells(err) == [[str(i), "full_attention", "offloaded", "host", "1x2x8192x64", "8,388,608"]
-                                  for i in range(8)]
-    assert ("device bytes (K/V, working buffers and lengths): 16,777,224; host bytes: 67,108,864; a static "
-            "cache of the same length holds 67,108,872 on the device (25.0% of it)") in err
+    assert inspect_cells(err) == [
+        [str(i), "full_attention", "offloaded", "host", "1x2x8192x64", "8,388,608"] for i in range(8)
+    ]
+    assert (
+        "device bytes (K/V, working buffers and lengths): 16,777,224; host bytes: 67,108,864; a static "
+        "cache of the same length holds 67,108,872 on the device (25.0% of it)"
+    ) in err
 
 
 def test_inspect_refuses_a_cache_the_model_cannot_use(capsys):
     assert main(["inspect", "--model", "tiny-llama", "--cache", "sliding"]) == 2
-    assert "no layer of this llama model attends through a sliding window; use cache='static'" in capsys.readouterr().err
+    assert (
+        "no layer of this llama model attends through a sliding window; use cache='static'" in capsys.readouterr().err
+    )

@@ -116,4 +116,6 @@ def test_without_the_private_api_the_backend_warns_once_and_keeps_dynamo(monkeyp
     assert len([w for w in record if issubclass(w.category, guards.GuardSkipWarning)]) == 1
     graph = compiled.backend._graphs[1, False]
     assert compiled.backend.step_function(1, False) is graph  # steps go through dynamo, as before the change
-    assert tokens == staticrt.Generator(model, max_batch_size=1, max_cache_len=64).generate([[5, 6, 7]], max_new_tokens=6)
+    assert tokens == staticrt.Generator(model, max_batch_size=1, max_cache_len=64).generate(
+        [[5, 6, 7]], max_new_tokens=6
+    )

@@ -28,18 +28,24 @@ def test_without_cuda_cudagraph_runs_the_compiled_path_and_warns_once(monkeypatc
         first = staticrt.Generator(model, backend="cudagraph", **options)
         second = staticrt.Generator(model, backend="cudagraph", **options)
     messages = [str(w.message) for w in caught if issubclass(w.category, cudagraph.CudaGraphWarning)]
-    assert messages == ["backend 'cudagraph' needs a CUDA device and the model is on cpu; running the compiled backend "
-                        "instead (the same tokens, without CUDA graphs)"]
+    assert messages == [
+        "backend 'cudagraph' needs a CUDA device and the model is on cpu; running the compiled backend "
+        "instead (the same tokens, without CUDA graphs)"
+    ]
     # The compiled backend's tokens are the eager ones (test_compiled.py); eager compiles nothing.
     expected = staticrt.Generator(model, backend="eager", **options).generate(PROMPTS, max_new_tokens=16)
-    assert type(first.backend).step_function is CompiledBackend.step_function and first.backend.compile_options == {"options": {"cpp_wrapper": True}}
+    assert type(first.backend).step_function is CompiledBackend.step_function and first.backend.compile_options == {
+        "options": {"cpp_wrapper": True}
+    }
     assert first.generate(PROMPTS, max_new_tokens=16) == expected
     assert second.generate(PROMPTS[:1], max_new_tokens=16) == expected[:1]
 
 
 # (checkpoint, cache): every family with every cache it takes (sliding needs a windowed model).
 CUDA_CASES = [(f, c) for f in ("llama", "qwen2", "mistral-sw16", "gemma2") for c in ("static", "offloaded")] + [
-    ("mistral-sw16", "sliding"), ("gemma2", "hybrid")]
+    ("mistral-sw16", "sliding"),
+    ("gemma2", "hybrid"),
+]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -66,8 +72,10 @@ def test_cudagraph_sampling_with_a_seed_is_reproducible(hf_checkpoints):
     options = dict(max_new_tokens=64, do_sample=True, temperature=0.8, top_p=0.9, seed=7)
     first = gen.generate(PROMPTS, **options)
     assert gen.generate(PROMPTS, **options) == first
-    assert staticrt.Generator(model, cache="static", max_batch_size=4, max_cache_len=256).generate(
-        PROMPTS, **options) == first  # the same uniforms drive every backend
+    assert (
+        staticrt.Generator(model, cache="static", max_batch_size=4, max_cache_len=256).generate(PROMPTS, **options)
+        == first
+    )  # the same uniforms drive every backend
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -75,4 +83,7 @@ def test_reduce_overhead_gives_the_eager_tokens(hf_checkpoints):
     model = staticrt.load_model(hf_checkpoints["gemma2"][0], device="cuda")
     options = dict(cache="hybrid", max_batch_size=4, max_cache_len=256)
     reference = staticrt.Generator(model, backend="eager", **options).generate(PROMPTS, max_new_tokens=64)
-    assert staticrt.Generator(model, backend="reduce-overhead", **options).generate(PROMPTS, max_new_tokens=64) == reference
+    assert (
+        staticrt.Generator(model, backend="reduce-overhead", **options).generate(PROMPTS, max_new_tokens=64)
+        == reference
+    )

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import staticrt
-from staticrt.errors import ArtifactError, GenerationError
-from staticrt.runtime import load_artifact
 from staticrt.caches import CacheSpec
 from staticrt.cli import main
+from staticrt.errors import ArtifactError, GenerationError
 from staticrt.exporters import export_artifact
 from staticrt.recipe import read_recipe
+from staticrt.runtime import load_artifact
 
 RECIPES = Path(__file__).parent.parent / "export"
 NAMES = ("tiny-llama", "tiny-mistral", "tiny-gemma2")  # static, sliding, hybrid
@@ -26,8 +26,21 @@ NAMES = ("tiny-llama", "tiny-mistral", "tiny-gemma2")  # static, sliding, hybrid
 # of a rotating layer.
 LENGTHS = (40, 5, 23)
 NEW_TOKENS = 64
-VIEWS = {"view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "slice",
-         "select", "alias", "t", "as_strided"}
+VIEWS = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "transpose",
+    "permute",
+    "expand",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "alias",
+    "t",
+    "as_strided",
+}
 
 
 def prompts() -> list[list[int]]:
@@ -54,20 +67,29 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
 def eager_tokens(name: str) -> list[list[int]]:
     recipe = read_recipe(RECIPES / f"{name}.toml")
     model = staticrt.load_model(recipe.model, dtype=recipe.dtype)
-    gen = staticrt.Generator(model, cache=recipe.cache, max_batch_size=recipe.batch_size,
-                             max_cache_len=recipe.max_cache_len, window=recipe.window,
-                             prefill_buckets=recipe.prefill_buckets)
+    gen = staticrt.Generator(
+        model,
+        cache=recipe.cache,
+        max_batch_size=recipe.batch_size,
+        max_cache_len=recipe.max_cache_len,
+        window=recipe.window,
+        prefill_buckets=recipe.prefill_buckets,
+    )
     return gen.generate(prompts(), max_new_tokens=NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name,fmt", [("tiny-llama", "aoti"), ("tiny-llama", "pt2"), ("tiny-mistral", "pt2"),
-                                      ("tiny-gemma2", "pt2")])
+@pytest.mark.parametrize(
+    "name,fmt", [("tiny-llama", "aoti"), ("tiny-llama", "pt2"), ("tiny-mistral", "pt2"), ("tiny-gemma2", "pt2")]
+)
 def test_artifact_tokens_equal_the_eager_backend(artifacts, name, fmt):
     gen = load_artifact(artifacts[name], backend=fmt)
     manifest = gen.backend.manifest
     formats = ["aoti", "pt2", "onnx"] if name == "tiny-llama" else ["pt2"]
     assert (manifest["cache"]["kind"], manifest["formats"], manifest["prefill_buckets"]) == (
-        {"tiny-llama": "static", "tiny-mistral": "sliding", "tiny-gemma2": "hybrid"}[name], formats, [64])
+        {"tiny-llama": "static", "tiny-mistral": "sliding", "tiny-gemma2": "hybrid"}[name],
+        formats,
+        [64],
+    )
     key = gen.backend.constants["cache.key_0"]
     address = key.data_ptr()
     assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == eager_tokens(name)
@@ -112,8 +134,10 @@ def test_a_corrupted_program_file_is_refused_by_name(artifacts, tmp_path):
     program.write_bytes(bytes(data))
     with pytest.raises(ArtifactError) as err:
         load_artifact(folder)
-    assert str(err.value) == (f"{program} does not match the sha256 in manifest.json (changed or corrupted since "
-                              "export); re-export the artifact")
+    assert str(err.value) == (
+        f"{program} does not match the sha256 in manifest.json (changed or corrupted since "
+        "export); re-export the artifact"
+    )
 
 
 def test_another_schema_version_is_refused_by_field(artifacts, tmp_path):
@@ -123,8 +147,10 @@ def test_another_schema_version_is_refused_by_field(artifacts, tmp_path):
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError) as err:
         load_artifact(folder)
-    assert str(err.value) == (f"{folder / 'manifest.json'}: field schema_version is 99, this staticrt reads "
-                              "schema_version 1; re-export the artifact with this staticrt")
+    assert str(err.value) == (
+        f"{folder / 'manifest.json'}: field schema_version is 99, this staticrt reads "
+        "schema_version 1; re-export the artifact with this staticrt"
+    )
 
 
 def test_cli_runs_an_artifact_and_refuses_sampling_it_cannot_do(artifacts, capsys):
@@ -134,8 +160,22 @@ def test_cli_runs_an_artifact_and_refuses_sampling_it_cannot_do(artifacts, capsy
     assert out["backend"] == "exported-aoti" and out["cache"] == "static"  # the default: the first format held
     reference = load_artifact(artifacts["tiny-llama"], "pt2").generate([prompts()[0]], 8)[0]
     assert out["tokens"] == [reference]
-    assert main(["run", str(artifacts["tiny-llama"]), "--backend", "onnx", "--prompt-ids", ids, "--max-new-tokens", "8",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                str(artifacts["tiny-llama"]),
+                "--backend",
+                "onnx",
+                "--prompt-ids",
+                ids,
+                "--max-new-tokens",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["backend"] == "onnx" and out["tokens"] == [reference]  # the recipe's onnx graph agrees
     with pytest.raises(GenerationError, match="^this artifact's programs choose tokens greedily"):
@@ -159,8 +199,17 @@ def test_cold_start_bench_times_fresh_processes_for_every_program_kind(artifacts
     out = tmp_path / "cold.json"
     assert main(["bench", "--cold-start", str(artifacts["tiny-llama"]), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report) == {"artifact", "cache", "model", "isa_probe_s", "aoti_s", "pt2_s", "compiled_s",
-                           "compiled_over_aoti", "compiled_over_pt2"}
+    assert set(report) == {
+        "artifact",
+        "cache",
+        "model",
+        "isa_probe_s",
+        "aoti_s",
+        "pt2_s",
+        "compiled_s",
+        "compiled_over_aoti",
+        "compiled_over_pt2",
+    }
     assert (report["cache"], report["model"]) == ("static", "tiny-llama")
     assert report["compiled_over_aoti"] == report["compiled_s"] / report["aoti_s"]
 
@@ -170,8 +219,12 @@ def test_an_artifact_for_another_cpu_is_refused_for_aoti(artifacts, tmp_path):
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["cpu_capability"] = "AVX1024"
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match=r"field cpu_capability is 'AVX1024', this CPU offers '\w+'; the compiled "
-                                            r"code may not run here: use --backend pt2 or re-export here$"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"field cpu_capability is 'AVX1024', this CPU offers '\w+'; the compiled "
+        r"code may not run here: use --backend pt2 or re-export here$",
+    ):
         load_artifact(folder)
     assert load_artifact(folder, backend="pt2").generate([[1, 2, 3]], max_new_tokens=4) == load_artifact(
-        artifacts["tiny-llama"]).generate([[1, 2, 3]], max_new_tokens=4)
+        artifacts["tiny-llama"]
+    ).generate([[1, 2, 3]], max_new_tokens=4)

@@ -29,19 +29,28 @@ def cache_snapshot(gen):
 @pytest.mark.parametrize(
     ("prompts", "kwargs", "message"),
     [
-        ([[1] * 30], {"max_new_tokens": 3},
-         "prompt 0 has 30 tokens; with max_new_tokens=3 that is 33, beyond max_cache_len=32; shorten the "
-         "prompt, ask for fewer tokens or build the Generator with a larger max_cache_len"),
-        ([[1], [2], [3]], {},
-         "3 prompts exceed max_batch_size=2; split the batch or build the Generator with a larger max_batch_size"),
+        (
+            [[1] * 30],
+            {"max_new_tokens": 3},
+            "prompt 0 has 30 tokens; with max_new_tokens=3 that is 33, beyond max_cache_len=32; shorten the "
+            "prompt, ask for fewer tokens or build the Generator with a larger max_cache_len",
+        ),
+        (
+            [[1], [2], [3]],
+            {},
+            "3 prompts exceed max_batch_size=2; split the batch or build the Generator with a larger max_batch_size",
+        ),
         ([[1, 2], []], {}, "prompt 1 is empty; every row needs at least one token"),
         ([[1, 512, -1]], {}, "prompt 0 holds token id(s) [512, -1] outside the vocabulary [0, 512)"),
         ([], {}, "prompts must be a non-empty list of token-id lists"),
         (["hello"], {}, "prompt 0 is a str; pass a list of token ids"),
         ([[1]], {"max_new_tokens": 0}, "max_new_tokens is 0; it must be an int >= 1"),
         ([[1]], {"do_sample": True, "top_p": 0.0}, "top_p is 0.0; it must be in (0, 1]"),
-        ([[1]], {"do_sample": True, "temperature": 0.0},
-         "temperature is 0.0; it must be > 0 (use do_sample=False for greedy)"),
+        (
+            [[1]],
+            {"do_sample": True, "temperature": 0.0},
+            "temperature is 0.0; it must be > 0 (use do_sample=False for greedy)",
+        ),
     ],
 )
 def test_bad_request_raises_before_state_changes(warm_generator, prompts, kwargs, message):
@@ -54,15 +63,22 @@ def test_bad_request_raises_before_state_changes(warm_generator, prompts, kwargs
 
 def test_unknown_backend_and_cache_kind():
     model = staticrt.load_model("tiny-llama")
-    with pytest.raises(GenerationError, match="^backend 'fast' is unknown; choose one of eager, compiled, cudagraph, "
-                                              "reduce-overhead$"):
+    with pytest.raises(
+        GenerationError, match="^backend 'fast' is unknown; choose one of eager, compiled, cudagraph, reduce-overhead$"
+    ):
         staticrt.Generator(model, backend="fast")
-    with pytest.raises(GenerationError, match=r"^backend 'onnx' runs an exported artifact, not a model: export one "
-                                              r"\(`staticrt export`, format onnx\) and load it with "
-                                              r"staticrt.load_artifact\(path, backend='onnx'\) or `staticrt run "
-                                              r"ARTIFACT --backend onnx`$"):
+    with pytest.raises(
+        GenerationError,
+        match=r"^backend 'onnx' runs an exported artifact, not a model: export one "
+        r"\(`staticrt export`, format onnx\) and load it with "
+        r"staticrt.load_artifact\(path, backend='onnx'\) or `staticrt run "
+        r"ARTIFACT --backend onnx`$",
+    ):
         staticrt.Generator(model, backend="onnx")
-    with pytest.raises(ValueError, match="cache kind 'paged' is unknown; choose one of static, sliding, hybrid, offloaded, offloaded-hybrid, auto"):
+    with pytest.raises(
+        ValueError,
+        match="cache kind 'paged' is unknown; choose one of static, sliding, hybrid, offloaded, offloaded-hybrid, auto",
+    ):
         staticrt.Generator(model, cache="paged")
 
 
@@ -77,7 +93,9 @@ def test_unknown_model_type(checkpoint):
     cfg = json.loads((checkpoint / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (checkpoint / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported; staticrt runs llama, mistral, qwen2, gemma2"):
+    with pytest.raises(
+        ConfigError, match="model_type 'gpt2' is not supported; staticrt runs llama, mistral, qwen2, gemma2"
+    ):
         staticrt.load_model(checkpoint)
 
 
@@ -95,7 +113,9 @@ def test_mismatched_weight_shape(checkpoint):
     save_file(state, checkpoint / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(
         CheckpointError,
-        match=re.escape("tensor 'layers.0.self_attn.k_proj.weight' has shape (64, 64) but config.json implies (32, 64)"),
+        match=re.escape(
+            "tensor 'layers.0.self_attn.k_proj.weight' has shape (64, 64) but config.json implies (32, 64)"
+        ),
     ):
         staticrt.load_model(checkpoint)
 
@@ -103,7 +123,10 @@ def test_mismatched_weight_shape(checkpoint):
 def test_pickle_checkpoint_refused_with_conversion_hint(checkpoint):
     (checkpoint / "model.safetensors").unlink()
     torch.save({}, checkpoint / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match=r"holds pickle weights \['pytorch_model.bin'\]; staticrt loads safetensors only.*save_pretrained"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds pickle weights \['pytorch_model.bin'\]; staticrt loads safetensors only.*save_pretrained",
+    ):
         staticrt.load_model(checkpoint)
 
 

@@ -19,10 +19,10 @@ from hf_models import hf_greedy, save_hf_model
 import staticrt
 from staticrt.backends.eager import run_step
 from staticrt.caches import CacheSpec, OffloadedStaticCache, OffloadWarning, build_cache, offloaded
-from staticrt.errors import CacheError
 from staticrt.config import ModelConfig
-from staticrt.presets import PRESETS
+from staticrt.errors import CacheError
 from staticrt.generate import SamplingParams
+from staticrt.presets import PRESETS
 
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], [1, 2], list(range(10, 23))]  # lengths 7, 2, 13
 NEW_TOKENS = 64
@@ -39,8 +39,16 @@ pytestmark = pytest.mark.filterwarnings("ignore::staticrt.caches.OffloadWarning"
 
 
 def one_head_cache(num_layers: int = 3, batch: int = 2, max_cache_len: int = 4) -> OffloadedStaticCache:
-    config = ModelConfig(family="llama", vocab_size=8, hidden_size=1, intermediate_size=1, num_layers=num_layers,
-                         num_heads=1, num_kv_heads=1, head_dim=1)
+    config = ModelConfig(
+        family="llama",
+        vocab_size=8,
+        hidden_size=1,
+        intermediate_size=1,
+        num_layers=num_layers,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+    )
     return OffloadedStaticCache(config, CacheSpec("offloaded", batch, max_cache_len), torch.float32)
 
 
@@ -77,14 +85,18 @@ def test_layers_take_turns_in_two_working_buffers_and_write_through_to_host_stor
     assert cache.layer_buffers(1)[0] is not cache.layer_buffers(0)[0]
     # Two rows prefill two positions each; every layer sees its own entries, nothing else.
     assert run_layers(cache, [0, 0], 2) == [[[0, 1, 0, 0]] * 2, [[10, 11, 0, 0]] * 2, [[20, 21, 0, 0]] * 2]
-    assert [host(cache, layer) for layer in range(3)] == [[[10 * l, 10 * l + 1, 0, 0]] * 2 for l in range(3)]
+    assert [host(cache, layer) for layer in range(3)] == [
+        [[10 * layer, 10 * layer + 1, 0, 0]] * 2 for layer in range(3)
+    ]
     # Decode at positions 2 (row 0) and 3 (row 1; its slot 2 stays empty): each layer finds its own
     # history brought back from the host, although slot 0 last held layer 2.
     assert run_layers(cache, [2, 3], 1) == [
-        [[10 * l, 10 * l + 1, 10 * l + 2, 0], [10 * l, 10 * l + 1, 0, 10 * l + 3]] for l in range(3)
+        [[10 * layer, 10 * layer + 1, 10 * layer + 2, 0], [10 * layer, 10 * layer + 1, 0, 10 * layer + 3]]
+        for layer in range(3)
     ]
     assert [host(cache, layer) for layer in range(3)] == [
-        [[10 * l, 10 * l + 1, 10 * l + 2, 0], [10 * l, 10 * l + 1, 0, 10 * l + 3]] for l in range(3)
+        [[10 * layer, 10 * layer + 1, 10 * layer + 2, 0], [10 * layer, 10 * layer + 1, 0, 10 * layer + 3]]
+        for layer in range(3)
     ]
     assert cache.get_seq_length().tolist() == [3, 4]
 
@@ -95,7 +107,12 @@ def test_memory_accounting_counts_two_working_layers_on_the_device_and_every_lay
     assert cache.host_bytes() == 5 * layer
     assert cache.device_bytes() == 2 * layer + 2 * 8  # two working slots and the int64 lengths
     assert sorted(n for n, _ in cache.named_buffers() if not n.startswith("host_")) == [
-        "seq_lens", "work_key_0", "work_key_1", "work_value_0", "work_value_1"]
+        "seq_lens",
+        "work_key_0",
+        "work_key_1",
+        "work_value_0",
+        "work_value_1",
+    ]
 
 
 def test_reset_zeroes_host_storage_and_keeps_every_address():
@@ -114,10 +131,14 @@ def test_a_cache_on_another_device_or_for_another_model_is_refused_before_anythi
         staticrt.Generator(model, cache=on_meta)
     assert str(err.value) == (
         "the offloaded cache is on meta, the model on cpu; build the cache with device='cpu' (its working "
-        "buffers must sit where the model computes)")
+        "buffers must sit where the model computes)"
+    )
     half = build_cache(model.config, CacheSpec("offloaded", 1, 64), torch.float16)
-    with pytest.raises(CacheError, match=r"^the cache holds torch.float16, the model computes in torch.float32; "
-                                         r"build the cache with dtype=torch.float32$"):
+    with pytest.raises(
+        CacheError,
+        match=r"^the cache holds torch.float16, the model computes in torch.float32; "
+        r"build the cache with dtype=torch.float32$",
+    ):
         staticrt.Generator(model, cache=half)
     other = build_cache(PRESETS["tiny-qwen2"], CacheSpec("offloaded", 1, 64), torch.float32)
     with pytest.raises(CacheError, match="^the cache was built for another model config; build it from this"):
@@ -128,7 +149,8 @@ def test_a_cache_on_another_device_or_for_another_model_is_refused_before_anythi
     gen = staticrt.Generator(model, cache=mine)  # the cache's own spec: batch 2, 64 positions
     assert (gen.backend.batch_size, gen.backend.max_cache_len) == (2, 64)
     assert gen.generate([[1, 2, 3]], max_new_tokens=8) == staticrt.Generator(model, max_cache_len=64).generate(
-        [[1, 2, 3]], max_new_tokens=8)
+        [[1, 2, 3]], max_new_tokens=8
+    )
 
 
 @pytest.mark.parametrize("backend", ["eager", "compiled"])
@@ -152,8 +174,10 @@ def five_layers(tmp_path_factory):
     alternating = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
     return {
         "llama": (root / "llama", save_hf_model("llama", root / "llama", num_hidden_layers=5)),
-        "gemma2": (root / "gemma2", save_hf_model("gemma2", root / "gemma2", num_hidden_layers=5,
-                                                 layer_types=alternating)),
+        "gemma2": (
+            root / "gemma2",
+            save_hf_model("gemma2", root / "gemma2", num_hidden_layers=5, layer_types=alternating),
+        ),
     }
 
 
@@ -165,7 +189,8 @@ def test_five_layer_models_reuse_the_working_buffers_and_match_transformers(five
     gen = staticrt.Generator(model, cache=cache, max_batch_size=3, max_cache_len=128, backend=backend)
     kv = gen.backend.cache
     assert [kv.layer_layout(i) for i in range(5)] == (
-        ["offloaded"] * 5 if family == "llama" else ["sliding", "offloaded"] * 2 + ["sliding"])
+        ["offloaded"] * 5 if family == "llama" else ["sliding", "offloaded"] * 2 + ["sliding"]
+    )
     prompts = [list(range(30, 60)), [4, 5], list(range(100, 120))]  # 30 tokens: past Gemma2's window of 16
     with torch._dynamo.config.patch(error_on_recompile=True):
         assert gen.generate(prompts, max_new_tokens=NEW_TOKENS) == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
@@ -188,7 +213,9 @@ def test_cuda_offloaded_tokens_equal_the_static_cache(hf_checkpoints, family, ba
     offloaded = staticrt.Generator(model, cache="offloaded", max_batch_size=3, max_cache_len=128, backend=backend)
     assert offloaded.backend.cache.pinned
     for prompts in ([PROMPTS[0]], PROMPTS):
-        assert offloaded.generate(prompts, max_new_tokens=NEW_TOKENS) == static.generate(prompts, max_new_tokens=NEW_TOKENS)
+        assert offloaded.generate(prompts, max_new_tokens=NEW_TOKENS) == static.generate(
+            prompts, max_new_tokens=NEW_TOKENS
+        )
 
 
 @needs_cuda

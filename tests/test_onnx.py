@@ -13,14 +13,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from hf_models import hf_greedy
 
 import staticrt
-from hf_models import hf_greedy
 from staticrt.artifact import sha256
-from staticrt.errors import ArtifactError, GenerationError
-from staticrt.runtime import load_artifact
 from staticrt.caches import CacheSpec
+from staticrt.errors import ArtifactError, GenerationError
 from staticrt.exporters import export_artifact
+from staticrt.runtime import load_artifact
 
 # (checkpoint, cache): every family, every exportable cache kind. mistral-sw16 and gemma2 attend
 # through a window of 16; their rotating layers get 32 slots (the window plus genai's slack).
@@ -40,7 +40,9 @@ def onnx_artifacts(hf_checkpoints, tmp_path_factory) -> dict[tuple[str, str], Pa
     made = {}
     for family, cache in CASES:
         model = staticrt.load_model(hf_checkpoints[family][0])
-        made[family, cache] = export_artifact(model, CacheSpec(cache, 3, 128), [64], root / f"{family}-{cache}", ["onnx"])
+        made[family, cache] = export_artifact(
+            model, CacheSpec(cache, 3, 128), [64], root / f"{family}-{cache}", ["onnx"]
+        )
     return made
 
 
@@ -90,11 +92,18 @@ def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_ar
         assert node.op_type == "TensorScatter"
         modes[output.name] = onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "mode"))
     # Gemma2 alternates sliding (rotating, circular) and global (linear) layers.
-    assert modes == {"present.0.key": b"circular", "present.0.value": b"circular",
-                     "present.1.key": b"linear", "present.1.value": b"linear"}
+    assert modes == {
+        "present.0.key": b"circular",
+        "present.0.value": b"circular",
+        "present.1.key": b"linear",
+        "present.1.value": b"linear",
+    }
     assert [i.name for i in graph.graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
-    assert manifest["onnx"]["inputs"][3] == {"name": "past_key_values.0.key", "shape": ["batch_size", 2, 32, 16],
-                                             "dtype": "float32"}
+    assert manifest["onnx"]["inputs"][3] == {
+        "name": "past_key_values.0.key",
+        "shape": ["batch_size", 2, 32, 16],
+        "dtype": "float32",
+    }
     assert (folder / "onnx" / "model.onnx.data").stat().st_size > 100_000  # weights live in external data
 
 
@@ -102,10 +111,19 @@ def test_genai_config_describes_the_graph(onnx_artifacts):
     config = json.loads((onnx_artifacts["gemma2", "hybrid"] / "genai_config.json").read_text())
     model, decoder = config["model"], config["model"]["decoder"]
     assert (model["type"], model["context_length"], model["vocab_size"]) == ("decoder", 128, 256)
-    assert (decoder["filename"], decoder["head_size"], decoder["num_hidden_layers"], decoder["num_key_value_heads"]) == (
-        "onnx/model.onnx", 16, 2, 2)
-    assert decoder["sliding_window"] == {"window_size": 16, "cache_slack": 16, "slide_key_value_cache": False,
-                                         "slide_inputs": False, "layers": [0]}
+    assert (
+        decoder["filename"],
+        decoder["head_size"],
+        decoder["num_hidden_layers"],
+        decoder["num_key_value_heads"],
+    ) == ("onnx/model.onnx", 16, 2, 2)
+    assert decoder["sliding_window"] == {
+        "window_size": 16,
+        "cache_slack": 16,
+        "slide_key_value_cache": False,
+        "slide_inputs": False,
+        "layers": [0],
+    }
     assert config["search"]["past_present_share_buffer"] is True
     assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
     assert decoder["outputs"]["present_value_names"] == "present.%d.value"
@@ -113,7 +131,9 @@ def test_genai_config_describes_the_graph(onnx_artifacts):
 
 @pytest.mark.parametrize("family,cache", [("llama", "static"), ("mistral-sw16", "sliding")])
 def test_onnxruntime_genai_runs_the_artifact_token_for_token(onnx_artifacts, hf_checkpoints, family, cache):
-    og = pytest.importorskip("onnxruntime_genai", reason="install onnxruntime-genai (--no-deps), as the README's test command does")
+    og = pytest.importorskip(
+        "onnxruntime_genai", reason="install onnxruntime-genai (--no-deps), as the README's test command does"
+    )
     model = og.Model(str(onnx_artifacts[family, cache]))
     reference = eager(hf_checkpoints, family, cache)
     for prompt in prompts():
@@ -146,8 +166,8 @@ def test_decode_writes_the_bound_cache_in_place(onnx_artifacts, hf_checkpoints, 
     for r, n in enumerate(LENGTHS):
         held = n + 16  # the prompt and 16 decoded tokens (the last token is chosen, not yet written)
         start = width - n
-        np.testing.assert_allclose(written[r, :, start:start + held], expected[r, :, :held], rtol=1e-4, atol=1e-5)
-        assert not written[r, :, start + held:].any()  # nothing beyond (the holes before hold masked padding)
+        np.testing.assert_allclose(written[r, :, start : start + held], expected[r, :, :held], rtol=1e-4, atol=1e-5)
+        assert not written[r, :, start + held :].any()  # nothing beyond (the holes before hold masked padding)
 
 
 def test_the_in_place_detector_sees_a_copy_when_present_is_not_bound_to_past(onnx_artifacts, capfd):
@@ -190,15 +210,23 @@ def test_running_an_onnx_artifact_imports_no_torch(onnx_artifacts):
 
 def test_requests_beyond_the_artifact_are_refused_before_running(onnx_artifacts):
     gen = load_artifact(onnx_artifacts["llama", "static"], backend="onnx")
-    with pytest.raises(GenerationError, match=r"^4 prompts exceed max_batch_size=3; split the batch or build the "
-                                              r"Generator with a larger max_batch_size$"):
+    with pytest.raises(
+        GenerationError,
+        match=r"^4 prompts exceed max_batch_size=3; split the batch or build the "
+        r"Generator with a larger max_batch_size$",
+    ):
         gen.generate([[1]] * 4, max_new_tokens=2)
-    with pytest.raises(GenerationError, match=r"^prompt 0 has 100 tokens; with max_new_tokens=29 that is 129, beyond "
-                                              r"max_cache_len=128; shorten the prompt"):
+    with pytest.raises(
+        GenerationError,
+        match=r"^prompt 0 has 100 tokens; with max_new_tokens=29 that is 129, beyond "
+        r"max_cache_len=128; shorten the prompt",
+    ):
         gen.generate([[1] * 100], max_new_tokens=29)
     # Nothing ran: the next request still matches the reference run.
-    assert gen.generate([[1] * 100], max_new_tokens=28)[0] == load_artifact(
-        onnx_artifacts["llama", "static"], backend="onnx").generate([[1] * 100], max_new_tokens=28)[0]
+    assert (
+        gen.generate([[1] * 100], max_new_tokens=28)[0]
+        == load_artifact(onnx_artifacts["llama", "static"], backend="onnx").generate([[1] * 100], max_new_tokens=28)[0]
+    )
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:
@@ -213,11 +241,16 @@ def test_a_missing_or_altered_graph_file_is_named(onnx_artifacts, tmp_path):
     blob = bytearray(data.read_bytes())
     blob[1234] ^= 0xFF
     data.write_bytes(bytes(blob))
-    with pytest.raises(ArtifactError, match=rf"^{data} does not match the sha256 in manifest.json \(changed or corrupted "
-                                            r"since export\); re-export the artifact$"):
+    with pytest.raises(
+        ArtifactError,
+        match=rf"^{data} does not match the sha256 in manifest.json \(changed or corrupted "
+        r"since export\); re-export the artifact$",
+    ):
         load_artifact(folder, backend="onnx")
     data.unlink()
-    with pytest.raises(ArtifactError, match=rf"^{data} is listed in manifest.json but missing; re-export the artifact$"):
+    with pytest.raises(
+        ArtifactError, match=rf"^{data} is listed in manifest.json but missing; re-export the artifact$"
+    ):
         load_artifact(folder, backend="onnx")
 
 
@@ -233,23 +266,32 @@ def test_an_opset_the_installed_onnxruntime_cannot_run_is_refused_with_the_opset
     manifest["onnx"]["opset"] = 99
     manifest["files"]["onnx/model.onnx"] = sha256(path)
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ArtifactError, match=rf"^{path}: onnxruntime {ort.__version__} cannot load this graph \(opset 99, "
-                                            r"IR version \d+\): .*; install an onnxruntime-gpu that runs opset 99 or "
-                                            r"re-export the artifact with this staticrt$"):
+    with pytest.raises(
+        ArtifactError,
+        match=rf"^{path}: onnxruntime {ort.__version__} cannot load this graph \(opset 99, "
+        r"IR version \d+\): .*; install an onnxruntime-gpu that runs opset 99 or "
+        r"re-export the artifact with this staticrt$",
+    ):
         load_artifact(folder, backend="onnx")
 
 
 def test_a_backend_the_artifact_lacks_is_named(onnx_artifacts):
-    with pytest.raises(ArtifactError, match=r"holds format\(s\) onnx, not 'aoti'; run it with one of onnx or "
-                                            r"re-export with --format aoti$"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"holds format\(s\) onnx, not 'aoti'; run it with one of onnx or "
+        r"re-export with --format aoti$",
+    ):
         load_artifact(onnx_artifacts["llama", "static"], backend="aoti")
 
 
 def test_onnx_export_refuses_a_window_genai_would_allocate_differently(hf_checkpoints, tmp_path):
     model = staticrt.load_model(hf_checkpoints["mistral-sw16"][0])
-    with pytest.raises(ArtifactError, match=r"^window is 16, the model's sliding_window; onnxruntime-genai allocates "
-                                            r"sliding layers window_size \+ cache_slack slots with cache_slack >= 1, so "
-                                            r"the onnx format needs window >= 17: set window = 32 \(genai's default "
-                                            r"slack\) or leave it unset$"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"^window is 16, the model's sliding_window; onnxruntime-genai allocates "
+        r"sliding layers window_size \+ cache_slack slots with cache_slack >= 1, so "
+        r"the onnx format needs window >= 17: set window = 32 \(genai's default "
+        r"slack\) or leave it unset$",
+    ):
         export_artifact(model, CacheSpec("sliding", 1, 64, window=16), [16], tmp_path / "x", ["onnx"])
     assert list(tmp_path.iterdir()) == []

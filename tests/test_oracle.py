@@ -36,7 +36,10 @@ def test_state_dict_is_the_checkpoints(hf_checkpoints, family):
     ours = model.state_dict()
     assert list(ours) == list(theirs)
     assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
-    assert {name for name, _ in model.named_parameters()} >= {"layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight"}
+    assert {name for name, _ in model.named_parameters()} >= {
+        "layers.0.self_attn.qkv_proj.weight",
+        "layers.0.mlp.gate_up_proj.weight",
+    }
 
 
 # The linear-RoPE / tied / MQA Llama variant runs eager only: its compiled graph is the Llama one.

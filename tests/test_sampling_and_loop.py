@@ -12,8 +12,9 @@ from staticrt.sampling import greedy, sample
 
 def pick(probs, uniform, top_k=0, top_p=1.0, temperature=1.0):
     logits = torch.tensor([[math.log(p) for p in probs]])
-    return sample(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]),
-                  torch.tensor([uniform])).item()
+    return sample(
+        logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([uniform])
+    ).item()
 
 
 def test_inverse_cdf_pick_is_exact():

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import hf_greedy
 
 import staticrt
-from hf_models import hf_greedy
 
 NEW_TOKENS = 200
 WINDOW = 16

@@ -67,6 +67,8 @@ class CompiledBackend(EagerBackend):
             return self._checked[key]
         if key not in self._graphs:
             tag = f"{'decode' if seq_len == 1 else f'prefill{seq_len}'}_{'sample' if do_sample else 'greedy'}"
-            compiled = torch.compile(_own_code_copy(run_step, tag), fullgraph=True, dynamic=False, **self.compile_options)
+            compiled = torch.compile(
+                _own_code_copy(run_step, tag), fullgraph=True, dynamic=False, **self.compile_options
+            )
             self._graphs[key] = compiled
         return self._graphs[key]

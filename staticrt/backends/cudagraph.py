@@ -45,7 +45,10 @@ def _warn_no_cuda(device: torch.device) -> None:
         _WARNED = True
         warnings.warn(
             f"backend 'cudagraph' needs a CUDA device and the model is on {device}; running the compiled backend "
-            "instead (the same tokens, without CUDA graphs)", CudaGraphWarning, stacklevel=4)
+            "instead (the same tokens, without CUDA graphs)",
+            CudaGraphWarning,
+            stacklevel=4,
+        )
 
 
 @dataclass
@@ -86,8 +89,9 @@ class CudaGraphBackend(CompiledBackend):
         self.cache.check_step(write_index, seq_len)
         key = (seq_len, uniforms is not None)
         if key not in self.captured:
-            self.captured[key] = self._capture(seq_len, uniforms is not None, input_ids, write_index, num_new,
-                                               sampling, uniforms)
+            self.captured[key] = self._capture(
+                seq_len, uniforms is not None, input_ids, write_index, num_new, sampling, uniforms
+            )
         if seq_len == 1 and self.decode_from is None:
             self.decode_from = write_index.copy()
         entry = self.captured[key]
@@ -131,8 +135,13 @@ class CudaGraphBackend(CompiledBackend):
         return statistics.median(start.elapsed_time(end) for start, end in pairs) / 1000
 
     def _load_inputs(
-        self, entry: _Graph, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray,
-        sampling: SamplingParams, uniforms: np.ndarray | None,
+        self,
+        entry: _Graph,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams,
+        uniforms: np.ndarray | None,
     ) -> None:
         """Copy host inputs into the graph's static buffers, skipping what the buffers already hold."""
         buffers = entry.inputs
@@ -151,8 +160,14 @@ class CudaGraphBackend(CompiledBackend):
                 entry.params = params
 
     def _capture(
-        self, seq_len: int, do_sample: bool, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray,
-        sampling: SamplingParams, uniforms: np.ndarray | None,
+        self,
+        seq_len: int,
+        do_sample: bool,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams,
+        uniforms: np.ndarray | None,
     ) -> _Graph:
         """Warm up (compile) on a side stream and capture the step of this shape, leaving the cache
         as it was: warm-up runs the step for real."""

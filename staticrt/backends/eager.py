@@ -3,7 +3,8 @@ and only swaps how a step function is obtained (`step_function`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,13 +44,18 @@ def _check_cache(cache: KVCache, model: Decoder, param: torch.Tensor, **requeste
             f"device={str(param.device)!r} (its working buffers must sit where the model computes)"
         )
     if cache.dtype != param.dtype:
-        raise CacheError(f"the cache holds {cache.dtype}, the model computes in {param.dtype}; build the cache with dtype={param.dtype}")
+        raise CacheError(
+            f"the cache holds {cache.dtype}, the model computes in {param.dtype}; "
+            f"build the cache with dtype={param.dtype}"
+        )
     if cache.config != model.config:
         raise CacheError("the cache was built for another model config; build it from this model's `config`")
     for name, value in requested.items():
         held = getattr(cache.spec, name)
         if value is not None and value != held:
-            raise CacheError(f"{name}={value} conflicts with the cache's {name}={held}; leave it unset when passing a cache")
+            raise CacheError(
+                f"{name}={value} conflicts with the cache's {name}={held}; leave it unset when passing a cache"
+            )
 
 
 class EagerBackend:
@@ -78,9 +84,7 @@ class EagerBackend:
         max_cache_len = self.cache.spec.max_cache_len
         buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else default_buckets(max_cache_len)
         if buckets[0] < 1 or buckets[-1] > max_cache_len:
-            raise GenerationError(
-                f"prefill buckets {list(buckets)} must lie in [1, max_cache_len={max_cache_len}]"
-            )
+            raise GenerationError(f"prefill buckets {list(buckets)} must lie in [1, max_cache_len={max_cache_len}]")
         self.model = model
         self.device = param.device
         self.batch_size = self.cache.spec.max_batch_size

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import types
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ def code_past_guards(compiled: Any) -> Callable[..., Any] | None:
                 f"torch {torch.__version__} no longer offers the cache entries of a compiled function ({reason}); "
                 "compiled steps go through dynamo's guard check on every call: the same tokens, a little slower. "
                 "Pin torch to the version pyproject.toml names, or report it",
-                GuardSkipWarning, stacklevel=2,
+                GuardSkipWarning,
+                stacklevel=2,
             )
         return None

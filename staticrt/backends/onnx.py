@@ -83,7 +83,9 @@ class OnnxBackend(ArtifactBackend):
                 # One buffer as past and present: every step's write lands in it, in place.
                 self.binding.bind_ortvalue_input(spec["name"], value)
                 self.binding.bind_ortvalue_output(spec["name"].replace("past_key_values.", "present."), value)
-        self.logits = ort.OrtValue.ortvalue_from_shape_and_type([self.batch_size, 1, self.vocab_size], np.float32, device, 0)
+        self.logits = ort.OrtValue.ortvalue_from_shape_and_type(
+            [self.batch_size, 1, self.vocab_size], np.float32, device, 0
+        )
         self.binding.bind_ortvalue_output("logits", self.logits)  # [B, 1, V]
         self.mask = np.zeros((self.batch_size, self.max_sequence_len or 0), dtype=np.int64)  # [B, width]
         self.columns = 0  # columns written so far (the same for every row)
@@ -122,14 +124,14 @@ class OnnxBackend(ArtifactBackend):
             self._grow_mask(seq_len)
             for r in range(batch):
                 n = int(num_new[r])
-                ids[r, seq_len - n:] = input_ids[r, :n]
-                positions[r, seq_len - n:] = write_index[r] + np.arange(n)
-                self.mask[r, seq_len - n: seq_len] = 1
+                ids[r, seq_len - n :] = input_ids[r, :n]
+                positions[r, seq_len - n :] = write_index[r] + np.arange(n)
+                self.mask[r, seq_len - n : seq_len] = 1
         else:  # decode: one real token a row, at the next column
             seq_len = input_ids.shape[1]
             ids, positions = input_ids, write_index[:, None] + np.arange(seq_len)
             self._grow_mask(self.columns + seq_len)
-            self.mask[:, self.columns: self.columns + seq_len] = 1
+            self.mask[:, self.columns : self.columns + seq_len] = 1
         self.columns += seq_len
         width = self.mask.shape[1] if self.max_sequence_len else self.columns
         return ids, self.mask[:, :width], positions

@@ -13,8 +13,9 @@ import json
 import os
 import platform
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,9 @@ Timings = dict[str, list[tuple[float, float]]]  # label -> (prefill s, decode s 
 __all__ = ["BenchError", "BenchRequest", "run_bench", "write_report"]
 
 
-def run_bench(model_name: str, backends: Sequence[str], on_stage: Stage = lambda _: None, **options: Any) -> dict[str, Any]:
+def run_bench(
+    model_name: str, backends: Sequence[str], on_stage: Stage = lambda _: None, **options: Any
+) -> dict[str, Any]:
     """Benchmark `backends` on one model in one process; returns the JSON-ready report.
     `options` are `BenchRequest`'s fields (new_tokens, prompt_len, window, offload, device, ...)."""
     request = BenchRequest(model_name, tuple(backends), **options)
@@ -48,8 +51,18 @@ def run_bench(model_name: str, backends: Sequence[str], on_stage: Stage = lambda
     copy_bps = copy_bytes_per_s(torch.device(device)) if device == "cuda" else None
     contenders = warm_up(model, runs, request.new_tokens, on_stage)
     timings, bracket = timed_rounds(contenders, probe, request.repeats, on_stage)
-    results = {run.label: result(request, model, run, contenders[run.label], timings[run.label],
-                                 [probe.samples[i] for i in sorted(bracket[run.label])], copy_bps) for run in runs}
+    results = {
+        run.label: result(
+            request,
+            model,
+            run,
+            contenders[run.label],
+            timings[run.label],
+            [probe.samples[i] for i in sorted(bracket[run.label])],
+            copy_bps,
+        )
+        for run in runs
+    }
     return {
         **{k: v for k, v in dataclasses.asdict(request).items() if k not in ("backends", "threads")},
         "device": device,
@@ -60,8 +73,10 @@ def run_bench(model_name: str, backends: Sequence[str], on_stage: Stage = lambda
         "backends": results,
         "ratios": ratios(results),
         # every run of the same prompts must choose the same tokens (the static-at-window runs differ)
-        "tokens_agree": len({json.dumps(r["tokens"]) for r in results.values()
-                             if r["prompt_len"] == request.prompt_len}) == 1,
+        "tokens_agree": len(
+            {json.dumps(r["tokens"]) for r in results.values() if r["prompt_len"] == request.prompt_len}
+        )
+        == 1,
     }
 
 
@@ -83,8 +98,9 @@ def warm_up(model: Decoder, runs: list[Run], new_tokens: int, on_stage: Stage) -
         if run.backend == "hf":
             contenders[run.label] = hf_contender(model, run.prompts, new_tokens)
         else:
-            contenders[run.label] = staticrt_contender(model, run.backend, run.prompts, new_tokens, run.cache,
-                                                       run.max_cache_len)
+            contenders[run.label] = staticrt_contender(
+                model, run.backend, run.prompts, new_tokens, run.cache, run.max_cache_len
+            )
     return contenders
 
 
@@ -107,15 +123,23 @@ def timed_rounds(
 
 
 def result(
-    request: BenchRequest, model: Decoder, run: Run, contender: Contender, timings: list[tuple[float, float]],
-    samples: list[float], copy_bps: float | None,
+    request: BenchRequest,
+    model: Decoder,
+    run: Run,
+    contender: Contender,
+    timings: list[tuple[float, float]],
+    samples: list[float],
+    copy_bps: float | None,
 ) -> dict[str, Any]:
     """One run's entry: times, tokens, what the backend reports, and the fractions of the bound."""
     prefill_s = statistics.median(p for p, _ in timings)
     step_s = statistics.median(d for _, d in timings)
     res: dict[str, Any] = {
-        "prefill_ms": 1000 * prefill_s, "decode_ms_per_token": 1000 * step_s,
-        "tokens_per_s": request.batch_size / step_s, "first_run_s": contender.warmup_s, "tokens": contender.tokens,
+        "prefill_ms": 1000 * prefill_s,
+        "decode_ms_per_token": 1000 * step_s,
+        "tokens_per_s": request.batch_size / step_s,
+        "first_run_s": contender.warmup_s,
+        "tokens": contender.tokens,
         **contender.report(),
     }
     if "graph_gpu_ms" in res:
@@ -123,10 +147,16 @@ def result(
     weight_bytes = weight_bytes_per_step(model, request.batch_size)
     kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, resolve_dtype(request.dtype))
     stream_bps = statistics.median(samples)
-    res.update(cache=run.cache, prompt_len=len(run.prompts[0]), weight_bytes_per_step=weight_bytes,
-               kv_bytes_per_step=kv_bytes, matvec_bytes_per_s=stream_bps, matvec_samples=samples,
-               streaming_fraction=weight_bytes / step_s / stream_bps,
-               streaming_fraction_with_kv=(weight_bytes + kv_bytes) / step_s / stream_bps)
+    res.update(
+        cache=run.cache,
+        prompt_len=len(run.prompts[0]),
+        weight_bytes_per_step=weight_bytes,
+        kv_bytes_per_step=kv_bytes,
+        matvec_bytes_per_s=stream_bps,
+        matvec_samples=samples,
+        streaming_fraction=weight_bytes / step_s / stream_bps,
+        streaming_fraction_with_kv=(weight_bytes + kv_bytes) / step_s / stream_bps,
+    )
     if copy_bps:  # the CUDA goal's measure: weight + K/V bytes a step reads against a device copy
         res["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step_s / copy_bps
     return res

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..artifact import read_manifest
 from ..checkpoint import load_model
@@ -27,16 +28,24 @@ def first_token_main(argv: Sequence[str] | None = None) -> None:
     if mode == "compiled":
         spec = json.loads(source)
         model = load_model(spec["model"], dtype=spec["dtype"])
-        gen = Generator(model, cache=spec["cache"], max_batch_size=spec["batch_size"],
-                        max_cache_len=spec["max_cache_len"], window=spec["window"], backend="compiled",
-                        prefill_buckets=spec["prefill_buckets"])
+        gen = Generator(
+            model,
+            cache=spec["cache"],
+            max_batch_size=spec["batch_size"],
+            max_cache_len=spec["max_cache_len"],
+            window=spec["window"],
+            backend="compiled",
+            prefill_buckets=spec["prefill_buckets"],
+        )
     else:
         gen = load_artifact(source, backend=mode)
     gen.generate([[1, 2, 3]], max_new_tokens=1, stream=lambda row, token: stamp or stamp.append(time.time()))
     print(json.dumps({"first_token_at": stamp[0]}))
 
 
-def cold_start(artifact: Path, formats: Sequence[str] = ("aoti",), on_stage: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def cold_start(
+    artifact: Path, formats: Sequence[str] = ("aoti",), on_stage: Callable[[str], None] = lambda _: None
+) -> dict[str, Any]:
     """Seconds from launching a fresh Python process to its first generated token: with the
     artifact's programs, and with the compiled backend on the same model and cache spec.
 
@@ -49,8 +58,9 @@ def cold_start(artifact: Path, formats: Sequence[str] = ("aoti",), on_stage: Cal
     recipe = manifest.get("recipe")
     if recipe is None:
         raise BenchError(f"{artifact} records no recipe (model source); export it with `staticrt export`")
-    spec = {k: recipe[k] for k in ("model", "dtype", "cache", "batch_size", "max_cache_len", "window",
-                                   "prefill_buckets")}
+    spec = {
+        k: recipe[k] for k in ("model", "dtype", "cache", "batch_size", "max_cache_len", "window", "prefill_buckets")
+    }
     runs = {fmt: [fmt, str(artifact)] for fmt in formats} | {"compiled": ["compiled", json.dumps(spec)]}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as root:

@@ -18,14 +18,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             import transformers  # noqa: F401
         except ImportError:
-            console.print("[yellow]transformers is not installed: skipping the hf backend "
-                          "(pip install 'staticrt[hf]')[/]")
+            console.print(
+                "[yellow]transformers is not installed: skipping the hf backend (pip install 'staticrt[hf]')[/]"
+            )
             backends.remove("hf")
     with console.status("benchmarking") as status:
-        report = run_bench(args.model, backends, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
-                           batch_size=args.batch_size, repeats=args.repeats, threads=args.threads,
-                           dtype=args.dtype, window=args.window, offload=args.offload, device=args.device,
-                           on_stage=lambda s: status.update(s))
+        report = run_bench(
+            args.model,
+            backends,
+            new_tokens=args.new_tokens,
+            prompt_len=args.prompt_len,
+            batch_size=args.batch_size,
+            repeats=args.repeats,
+            threads=args.threads,
+            dtype=args.dtype,
+            window=args.window,
+            offload=args.offload,
+            device=args.device,
+            on_stage=lambda s: status.update(s),
+        )
     _show(args, report)
     if not report["tokens_agree"]:
         console.print("[red]backends produced different tokens[/]")
@@ -36,21 +47,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    rows = [[name, r["prompt_len"], r["prefill_ms"], r["decode_ms_per_token"], r["tokens_per_s"],
-             r["kv_bytes_per_step"] / 1e6, _cache_mb(r), 100 * r["streaming_fraction"],
-             100 * r["streaming_fraction_with_kv"]]
-            for name, r in report["backends"].items()]
+    rows = [
+        [
+            name,
+            r["prompt_len"],
+            r["prefill_ms"],
+            r["decode_ms_per_token"],
+            r["tokens_per_s"],
+            r["kv_bytes_per_step"] / 1e6,
+            _cache_mb(r),
+            100 * r["streaming_fraction"],
+            100 * r["streaming_fraction_with_kv"],
+        ]
+        for name, r in report["backends"].items()
+    ]
     title = f"{args.model}, batch {args.batch_size}, {report['device']}, {report['machine']['torch_threads']} threads"
     if args.window:
         title += f", sliding window {args.window}"
-    console.print(table(title, ["backend", "prompt", "prefill ms", "ms/token", "tok/s", "K/V MB read",
-                                "cache MB device/host", "% bound", "% bound +K/V"], rows))
-    console.print("% bound: weight bytes a decode step reads over the step time, against the streaming rate "
-                  "sampled before and after each of that backend's timed runs; +K/V adds the cache the step reads",
-                  soft_wrap=True)
+    console.print(
+        table(
+            title,
+            [
+                "backend",
+                "prompt",
+                "prefill ms",
+                "ms/token",
+                "tok/s",
+                "K/V MB read",
+                "cache MB device/host",
+                "% bound",
+                "% bound +K/V",
+            ],
+            rows,
+        )
+    )
+    console.print(
+        "% bound: weight bytes a decode step reads over the step time, against the streaming rate "
+        "sampled before and after each of that backend's timed runs; +K/V adds the cache the step reads",
+        soft_wrap=True,
+    )
     rates = ", ".join(f"{name} {r['matvec_bytes_per_s'] / 1e9:.1f}" for name, r in report["backends"].items())
-    console.print(f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
-                  f"matrix-vector streaming rate (GB/s): {rates}", soft_wrap=True)
+    console.print(
+        f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
+        f"matrix-vector streaming rate (GB/s): {rates}",
+        soft_wrap=True,
+    )
     for key, value in report["ratios"].items():
         console.print(f"{key}: {value:.2f}x")
 
@@ -64,11 +105,16 @@ def _cache_mb(result: dict[str, Any]) -> str:
 def _cold_start(args: argparse.Namespace) -> int:
     with console.status("cold starts") as status:
         report = cold_start(args.cold_start, ("aoti", "pt2"), on_stage=lambda s: status.update(s))
-    rows = [[label.removesuffix("_s"), value] for label, value in report.items()
-            if label.endswith("_s") and label != "isa_probe_s"]
+    rows = [
+        [label.removesuffix("_s"), value]
+        for label, value in report.items()
+        if label.endswith("_s") and label != "isa_probe_s"
+    ]
     console.print(table(f"{args.cold_start}: fresh process to first token", ["programs", "seconds"], rows))
-    console.print(f"compiled / aoti: {report['compiled_over_aoti']:.1f}x (after a one-time CPU-ISA probe of "
-                  f"{report['isa_probe_s']:.1f} s that every inductor user pays once a machine)")
+    console.print(
+        f"compiled / aoti: {report['compiled_over_aoti']:.1f}x (after a one-time CPU-ISA probe of "
+        f"{report['isa_probe_s']:.1f} s that every inductor user pays once a machine)"
+    )
     if args.json:
         write_report(report, args.json)
         console.print(f"wrote {args.json}")

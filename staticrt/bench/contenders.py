@@ -9,8 +9,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -31,7 +32,11 @@ class Contender:
 
 
 def staticrt_contender(
-    model: Decoder, backend: str, prompts: list[list[int]], new_tokens: int, cache: str = "static",
+    model: Decoder,
+    backend: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    cache: str = "static",
     max_cache_len: int | None = None,
 ) -> Contender:
     """A staticrt backend after one warm-up generation (it compiles). The prompt fills its prefill
@@ -42,8 +47,14 @@ def staticrt_contender(
     if backend == "onnx":
         gen = _onnx_generator(model, CacheSpec(cache, len(prompts), max_cache_len), len(prompts[0]))
     else:
-        gen = Generator(model, cache=cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
-                        backend=backend, prefill_buckets=(len(prompts[0]),))
+        gen = Generator(
+            model,
+            cache=cache,
+            max_batch_size=len(prompts),
+            max_cache_len=max_cache_len,
+            backend=backend,
+            prefill_buckets=(len(prompts[0]),),
+        )
     start = time.perf_counter()
     tokens = gen.generate(prompts, max_new_tokens=new_tokens)
     warmup_s = time.perf_counter() - start

@@ -55,9 +55,16 @@ def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int) -> C
     compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, mode="default")
     compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, cache_implementation="static", compile_config=compile_config,
-                  eos_token_id=None, pad_token_id=0)
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        cache_implementation="static",
+        compile_config=compile_config,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
 
     def generate() -> tuple[float, float, list[list[int]]]:
         clock = _TokenClock()
@@ -66,7 +73,7 @@ def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int) -> C
             out = hf.generate(ids, streamer=clock, **kwargs)
         first = clock.stamps[1] if len(clock.stamps) > 1 else time.perf_counter()
         gaps = np.diff(clock.stamps[1:])
-        return first - start, float(np.median(gaps)), out[:, ids.shape[1]:].tolist()
+        return first - start, float(np.median(gaps)), out[:, ids.shape[1] :].tolist()
 
     start = time.perf_counter()
     _, _, tokens = generate()

@@ -37,8 +37,9 @@ class BenchRequest:
         if self.window is not None and self.offload:
             raise BenchError("--window and --offload compare different things; run them one at a time")
         if self.offload and "onnx" in self.backends:
-            raise BenchError("offloaded caches do not export, so --offload cannot run the onnx backend; drop onnx "
-                             "from --backends")
+            raise BenchError(
+                "offloaded caches do not export, so --offload cannot run the onnx backend; drop onnx from --backends"
+            )
         if self.window is not None and self.prompt_len < self.window:
             raise BenchError(
                 f"prompt_len {self.prompt_len} is shorter than window {self.window}; the sliding benchmark decodes "
@@ -81,14 +82,18 @@ def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     for name in request.backends:
         static = Run(name, name, "static", prompts, full)
         if request.window is None and request.offload and name != "hf":
-            runs += [dataclasses.replace(static, label=f"{name}-static"),
-                     dataclasses.replace(static, label=f"{name}-offloaded", cache="offloaded")]
+            runs += [
+                dataclasses.replace(static, label=f"{name}-static"),
+                dataclasses.replace(static, label=f"{name}-offloaded", cache="offloaded"),
+            ]
         elif request.window is None:
             runs.append(static)
         elif name == "hf":
             runs.append(Run(name, name, "sliding", prompts, request.window))
         else:
             short = [p[: request.window - request.new_tokens] for p in prompts]
-            runs += [Run(f"{name}-sliding", name, "sliding", prompts, request.window, request.prompt_len),
-                     Run(f"{name}-static", name, "static", short, request.window, request.window)]
+            runs += [
+                Run(f"{name}-sliding", name, "sliding", prompts, request.window, request.prompt_len),
+                Run(f"{name}-static", name, "static", short, request.window, request.window),
+            ]
     return runs

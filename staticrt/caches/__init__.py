@@ -35,7 +35,21 @@ def build_cache(
 
 
 __all__ = [
-    "CACHE_CHOICES", "CACHE_CLASSES", "CACHE_KINDS", "CacheError", "CacheSpec", "HybridCache", "KVCache",
-    "LayerView", "OffloadWarning", "OffloadedHybridCache", "OffloadedStaticCache", "SlidingWindowCache",
-    "StaticCache", "StepMetadata", "build_cache", "resolve_kind", "resolve_max_cache_len",
+    "CACHE_CHOICES",
+    "CACHE_CLASSES",
+    "CACHE_KINDS",
+    "CacheError",
+    "CacheSpec",
+    "HybridCache",
+    "KVCache",
+    "LayerView",
+    "OffloadWarning",
+    "OffloadedHybridCache",
+    "OffloadedStaticCache",
+    "SlidingWindowCache",
+    "StaticCache",
+    "StepMetadata",
+    "build_cache",
+    "resolve_kind",
+    "resolve_max_cache_len",
 ]

@@ -18,7 +18,7 @@ its `view` (view.py), which also says why a step writes before or after it reads
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -141,8 +141,13 @@ class KVCache(nn.Module, ABC):
         return masks.visible(keys, positions[:, :, None], window)[:, None]
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor,
-        num_new: torch.Tensor, after: torch.Tensor | None = None,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        write_index: torch.Tensor,
+        num_new: torch.Tensor,
+        after: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key`/`value [B, H_kv, T, D]` of a step at `write_index [B]` (`num_new [B]` real
         entries a row, the rest right padding) in place; return the layer's K/V buffers.

@@ -137,7 +137,9 @@ class OffloadedCache(KVCache):
         self._next = dict(zip(self.offloaded, self.offloaded[1:]))
         for slot in range(min(2, len(self.offloaded))):
             for name in (f"work_key_{slot}", f"work_value_{slot}"):
-                self.register_static(name, torch.zeros(self.layer_shape(spec.max_cache_len), dtype=dtype, device=device))
+                self.register_static(
+                    name, torch.zeros(self.layer_shape(spec.max_cache_len), dtype=dtype, device=device)
+                )
         # Where the write-through lands: a device view of pinned storage (a kernel, capturable), or
         # the host tensors themselves (on the CPU, and the pageable fallback: a host-side write).
         views = self.pinned and self.device.type == "cuda"
@@ -189,8 +191,13 @@ class OffloadedCache(KVCache):
         torch.ops.staticrt.prefetch_kv(*self.layer_buffers(layer_idx), *self.host_buffers(layer_idx))
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor,
-        num_new: torch.Tensor, after: torch.Tensor | None = None,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        write_index: torch.Tensor,
+        num_new: torch.Tensor,
+        after: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write into the layer's working slot, and through to its host storage."""
         buffers = super().update(key, value, layer_idx, write_index, num_new, after)

@@ -40,7 +40,10 @@ class CacheSpec:
 
 
 def resolve_max_cache_len(
-    config: ModelConfig, kind: str, requested: int | None = None, needed: int | None = None,
+    config: ModelConfig,
+    kind: str,
+    requested: int | None = None,
+    needed: int | None = None,
     window: int | None = None,
 ) -> int:
     """The cache length: `requested` when given; else `needed` (prompt + new tokens, when the

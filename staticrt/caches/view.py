@@ -53,8 +53,13 @@ class ViewedCache(Protocol):
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor,
-        num_new: torch.Tensor, after: torch.Tensor | None = None,
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        write_index: torch.Tensor,
+        num_new: torch.Tensor,
+        after: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from ..artifact import FORMATS
 from ..console import console
 
+
 def cmd_export(args: argparse.Namespace) -> int:
     from ..caches import CacheSpec
     from ..checkpoint import load_model
@@ -29,13 +30,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     def stage(what: str, seconds: float) -> None:
         console.print(f"  [green]done[/] {what} ({seconds:.1f} s)")
 
-    console.print(f"exporting {recipe.model} ({recipe.cache} cache, batch {recipe.batch_size}, max_cache_len "
-                  f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}) to {out}")
+    console.print(
+        f"exporting {recipe.model} ({recipe.cache} cache, batch {recipe.batch_size}, max_cache_len "
+        f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}) to {out}"
+    )
     start = time.perf_counter()
     with console.status("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
-        export_artifact(model, CacheSpec(recipe.cache, recipe.batch_size, recipe.max_cache_len, recipe.window),
-                        recipe.prefill_buckets, out, recipe.formats, {"recipe": recipe.to_dict()}, stage, copy_tokenizer)
-    console.print(f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3")
+        export_artifact(
+            model,
+            CacheSpec(recipe.cache, recipe.batch_size, recipe.max_cache_len, recipe.window),
+            recipe.prefill_buckets,
+            out,
+            recipe.formats,
+            {"recipe": recipe.to_dict()},
+            stage,
+            copy_tokenizer,
+        )
+    console.print(
+        f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3"
+    )
     return 0
 
 
@@ -53,6 +66,14 @@ def _recipe(args: argparse.Namespace) -> Any:
         raise SystemExit("staticrt export: give a recipe (export/NAME.toml), or --model and --out")
     config = load_config(args.model)
     max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
-    return Recipe(name=args.out.name, model=args.model, cache=args.cache, batch_size=args.batch_size,
-                  max_cache_len=max_cache_len, prefill_buckets=tuple(args.prefill_buckets or (max_cache_len,)),
-                  formats=formats or FORMATS, dtype=args.dtype, window=args.window)
+    return Recipe(
+        name=args.out.name,
+        model=args.model,
+        cache=args.cache,
+        batch_size=args.batch_size,
+        max_cache_len=max_cache_len,
+        prefill_buckets=tuple(args.prefill_buckets or (max_cache_len,)),
+        formats=formats or FORMATS,
+        dtype=args.dtype,
+        window=args.window,
+    )

@@ -6,6 +6,7 @@ import argparse
 
 from ..console import console, table
 
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ..caches import CacheSpec, build_cache, resolve_max_cache_len
     from ..checkpoint import load_config
@@ -19,15 +20,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for i, attention in enumerate(config.layer_types):
         key, _ = cache.storage_buffers(i)
         layout = cache.layer_layout(i)
-        rows.append([i, attention, layout, "host" if layout == "offloaded" else "device",
-                     "x".join(map(str, key.shape)), f"{2 * key.numel() * key.element_size():,}"])
+        rows.append(
+            [
+                i,
+                attention,
+                layout,
+                "host" if layout == "offloaded" else "device",
+                "x".join(map(str, key.shape)),
+                f"{2 * key.numel() * key.element_size():,}",
+            ]
+        )
     title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"
     if cache.window:
         title += f", window {cache.window}"
     columns = ["layer", "attention", "cache", "held in", "K and V shape [B,H_kv,L,D]", "bytes"]
     console.print(table(title, columns, rows))
     ours, host, full = cache.device_bytes(), cache.host_bytes(), static.device_bytes()
-    console.print(f"device bytes (K/V{', working buffers' if host else ''} and lengths): {ours:,}; host bytes: "
-                  f"{host:,}; a static cache of the same length holds {full:,} on the device ({ours / full:.1%} "
-                  "of it)", soft_wrap=True)
+    console.print(
+        f"device bytes (K/V{', working buffers' if host else ''} and lengths): {ours:,}; host bytes: "
+        f"{host:,}; a static cache of the same length holds {full:,} on the device ({ours / full:.1%} "
+        "of it)",
+        soft_wrap=True,
+    )
     return 0

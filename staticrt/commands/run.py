@@ -9,12 +9,15 @@ from typing import Any
 
 from ..console import console
 
+
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     if args.prompt is None:
         return args.prompt_ids
     if tokenizer is None:
-        raise SystemExit(f"staticrt run: --prompt needs a tokenizer.json in {args.artifact or args.model}, which has "
-                         "none; pass token ids with --prompt-ids 1,2,3 instead")
+        raise SystemExit(
+            f"staticrt run: --prompt needs a tokenizer.json in {args.artifact or args.model}, which has "
+            "none; pass token ids with --prompt-ids 1,2,3 instead"
+        )
     return [tokenizer.encode(args.prompt).ids]
 
 
@@ -41,8 +44,14 @@ def _model_run(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]]]:
     prompts = _prompts(args, model.tokenizer)
     needed = max(len(p) for p in prompts) + args.max_new_tokens
     max_cache_len = resolve_max_cache_len(model.config, args.cache, args.max_cache_len, needed, args.window)
-    gen = Generator(model, cache=args.cache, max_batch_size=len(prompts), max_cache_len=max_cache_len,
-                    backend=args.backend or "eager", window=args.window)
+    gen = Generator(
+        model,
+        cache=args.cache,
+        max_batch_size=len(prompts),
+        max_cache_len=max_cache_len,
+        backend=args.backend or "eager",
+        window=args.window,
+    )
     return gen, model.tokenizer, prompts
 
 
@@ -60,15 +69,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         sys.stdout.write(text if len(prompts) == 1 else f"[{row}]{text} ")
         sys.stdout.flush()
 
-    tokens = gen.generate(prompts, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          stop_token_ids=args.stop_ids if args.stop_ids is not None else gen.backend.eos_token_ids,
-                          stream=stream)
+    tokens = gen.generate(
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=args.stop_ids if args.stop_ids is not None else gen.backend.eos_token_ids,
+        stream=stream,
+    )
     stats = gen.last_stats
     if args.json:
-        out: dict[str, Any] = {"tokens": tokens, "backend": gen.backend.name, "cache": gen.backend.cache_kind,
-                               "prefill_ms": 1000 * stats.prefill_s,
-                               "decode_ms_per_token": stats.decode_ms_per_token}
+        out: dict[str, Any] = {
+            "tokens": tokens,
+            "backend": gen.backend.name,
+            "cache": gen.backend.cache_kind,
+            "prefill_ms": 1000 * stats.prefill_s,
+            "decode_ms_per_token": stats.decode_ms_per_token,
+        }
         if tokenizer is not None:
             out["text"] = [tokenizer.decode(t) for t in tokens]
         print(json.dumps(out))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -102,8 +103,11 @@ def _cache_fields(cache: KVCache) -> dict[str, Any]:
     """The manifest's `cache`: what the loader checks requests against."""
     spec = cache.spec
     return {
-        "kind": cache.kind, "max_batch_size": spec.max_batch_size, "max_cache_len": spec.max_cache_len,
-        "window": cache.window, "max_sequence_len": cache.max_sequence_len,
+        "kind": cache.kind,
+        "max_batch_size": spec.max_batch_size,
+        "max_cache_len": spec.max_cache_len,
+        "window": cache.window,
+        "max_sequence_len": cache.max_sequence_len,
         "layers": [cache.layer_layout(i) for i in range(len(cache.rotating))],
         "layer_lengths": list(cache.layer_lengths),
     }

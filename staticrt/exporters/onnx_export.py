@@ -9,9 +9,10 @@ fixed by the cache):
 
 Cache slots follow the attention mask's columns, as in transformers and onnxruntime-genai: this
 step's S entries go to columns T - S .. T - 1, written by the standard `TensorScatter` (opset 24)
-at T - S (T counted to each row's last marked column, see `marked_columns`), mode `linear` for a layer of `max_cache_len` slots and `circular` for a rotating layer
-of `window` slots. A padded column is a hole the mask hides. Which token position a column holds
-is counted from the mask (cumsum - 1), so sliding windows and causality are judged in positions,
+at T - S (T counted to each row's last marked column, see `marked_columns`), mode `linear` for a
+layer of `max_cache_len` slots and `circular` for a rotating layer of `window` slots. A padded
+column is a hole the mask hides. Which token position a column holds is counted from the mask
+(cumsum - 1), so sliding windows and causality are judged in positions,
 not columns, and holes never shorten a window. Rotating layers attend before they write (the
 buffer as it was plus the step's own K/V) and keep only the newest min(S, window) entries, so a
 chunk of any length is exact with a window-sized buffer; runners pad on the left (holes before a
@@ -31,132 +32,23 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-from torch import nn
 
-from ..caches import KVCache, StepMetadata
-from ..caches import masks
+from ..caches import KVCache
 from ..errors import ArtifactError
 from ..model import Decoder
-from ..ops import onnx_translations, tensor_scatter
+from ..ops import onnx_translations
+from .onnx_step import OnnxStep
 
 OPSET = 24
 MAX_IR_VERSION = 13  # the newest IR version onnxruntime 1.31 loads
 GRAPH = "onnx/model.onnx"
 GENAI_CONFIG = "genai_config.json"
 GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a rotating layer)
-
-
-@dataclass
-class StepInputs:
-    attention_mask: torch.Tensor  # [B, T] int64, 1 where a column holds a real token
-    position_ids: torch.Tensor  # [B, S] int64, each new token's position (a hole's means nothing)
-    write_index: torch.Tensor  # [B] int64, the column of each row's first new entry (T - S)
-
-
-class GraphCache(KVCache):
-    """A cache whose layers are a graph's inputs (`past`) and outputs (`present`), indexed by mask
-    column. It is mixed in before a cache class (`graph_cache`), which decides as it always does
-    which layers rotate and how many slots each holds; only the K/V buffers are left out."""
-
-    past: list[tuple[torch.Tensor, torch.Tensor]]  # this step's K/V inputs, set by `bind`
-    present: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> its written K/V outputs
-    inputs: StepInputs
-
-    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
-        """No buffers: each layer's K/V arrives as `past_key_values.{i}.*`, shaped `layer_shape`."""
-
-    def bind(self, past: list[torch.Tensor], inputs: StepInputs) -> None:
-        """Take this step's inputs: `past` as [key_0, value_0, key_1, ...], each `[B, H_kv, N_i, D]`."""
-        assert len(past) == 2 * len(self.rotating), f"{len(past)} past tensors for {len(self.rotating)} layers"
-        self.past = [(past[2 * i], past[2 * i + 1]) for i in range(len(self.rotating))]
-        self.present = {}
-        self.inputs = inputs
-
-    def presents(self) -> list[torch.Tensor]:
-        return [t for i in range(len(self.rotating)) for t in self.present[i]]
-
-    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int) -> StepMetadata:
-        """Lengths live in the attention mask here, and positions are the graph's `position_ids`
-        (a padded row's slots and positions differ)."""
-        return self.metadata(write_index, num_new, self.inputs.position_ids)
-
-    def writes_first(self, rotating: bool, seq_len: int) -> bool:
-        """Rotating layers always attend first: one graph serves every S, decode included."""
-        return not rotating
-
-    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.present.get(layer_idx, self.past[layer_idx])
-
-    def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, write_index: torch.Tensor,
-        num_new: torch.Tensor, after: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """present = TensorScatter(past, new, T - S); a rotating layer keeps the newest min(S, window)."""
-        rotating = self.rotating[layer_idx]
-        if rotating:
-            seq_len = key.shape[2]
-            dropped = torch.sym_max(seq_len - self.window, 0)  # entries older than the window, gone anyway
-            key, value = key[:, :, dropped:], value[:, :, dropped:]
-            write_index = write_index + dropped
-        self.present[layer_idx] = tuple(
-            tensor_scatter(buf, new, write_index, rotating, after)
-            for buf, new in zip(self.past[layer_idx], (key, value))
-        )
-        return self.present[layer_idx]
-
-    def mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
-        """`[B, 1, S, L(+S)]`: the columns a layer holds (`masks.key_positions` of the step's
-        columns), visible where the mask marks them real and their token position is causal (and
-        inside the window) for the query's position. A query always sees its own column, so a
-        hole (whose position means nothing) still has one key and softmax stays finite."""
-        mask = self.inputs.attention_mask  # [B, T]
-        total, seq_len = mask.shape[1], positions.shape[1]
-        columns = self.inputs.write_index[:, None] + torch.arange(seq_len, device=mask.device)  # [B, S]
-        slots = self.window if rotating else self.spec.max_cache_len
-        key_columns = masks.key_positions(columns, slots, rotating, self.writes_first(rotating, seq_len))  # [B, S, K]
-        index = key_columns.clamp(0, total - 1).flatten(1)  # [B, S*K]
-        real = (key_columns >= 0) & (mask.gather(1, index).view_as(key_columns) > 0)
-        key_pos = (torch.cumsum(mask, dim=1) - 1).gather(1, index).view_as(key_columns)
-        window = self.config.sliding_window if attention == "sliding_attention" else None
-        seen = masks.visible(torch.where(real, key_pos, -1), positions[:, :, None], window)
-        return (seen | (key_columns == columns[:, :, None]))[:, None]
-
-
-def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:
-    """`[B]`: columns up to and including each row's last marked one, i.e. T for a mask that ends
-    with this step, as genai's growing mask does. A runner that keeps the mask at a fixed width
-    (genai's CUDA-graph mode; staticrt's runner, so decode has one shape) leaves zeros after it."""
-    columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
-    return (attention_mask * columns).amax(dim=1)
-
-
-def graph_cache(layout: KVCache) -> GraphCache:
-    """A `GraphCache` laid out like the built cache `layout` (same kind, spec, dtype and device)."""
-    cls = type(f"Graph{type(layout).__name__}", (GraphCache, type(layout)), {})
-    return cls(layout.config, layout.spec, layout.dtype, layout.device)
-
-
-class OnnxStep(nn.Module):
-    """The graph's forward, in genai's names: one step of S tokens a row at columns T - S .. T - 1."""
-
-    def __init__(self, model: Decoder, layout: KVCache) -> None:
-        super().__init__()
-        self.model = model
-        self.cache = graph_cache(layout)
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        seq_len = input_ids.shape[1]  # input_ids, position_ids [B, S]; attention_mask [B, T]
-        write_index = marked_columns(attention_mask) - seq_len  # [B]
-        self.cache.bind(list(past), StepInputs(attention_mask, position_ids, write_index))
-        logits = self.model(input_ids, write_index, self.cache)  # [B, V] at column T - 1
-        return (logits[:, None], *self.cache.presents())
 
 
 def check_onnx_cache(cache: KVCache) -> None:
@@ -176,16 +68,21 @@ def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
     """Inputs to trace with: S = 5 and T = 7 (sizes of 0 and 1 would be specialised), zero caches."""
     batch, seq_len, total = cache.spec.max_batch_size, 5, 7
     device = cache.device
-    past = [torch.zeros(cache.layer_shape(n), dtype=cache.dtype, device=device) for n in cache.layer_lengths
-            for _ in range(2)]
+    past = [
+        torch.zeros(cache.layer_shape(n), dtype=cache.dtype, device=device)
+        for n in cache.layer_lengths
+        for _ in range(2)
+    ]
     ids = torch.zeros(batch, seq_len, dtype=torch.int64, device=device)
     return ids, torch.ones(batch, total, dtype=torch.int64, device=device), ids.clone(), *past
 
 
 def io_names(layers: int) -> tuple[list[str], list[str]]:
     kv = [f"{i}.{part}" for i in range(layers) for part in ("key", "value")]
-    return (["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{n}" for n in kv)],
-            ["logits", *(f"present.{n}" for n in kv)])
+    return (
+        ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{n}" for n in kv)],
+        ["logits", *(f"present.{n}" for n in kv)],
+    )
 
 
 def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
@@ -195,7 +92,12 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
     step = OnnxStep(model, cache).eval()
     batch, seq_len, total = Dim("batch_size"), Dim("sequence_length"), Dim("total_sequence_length")
     layers = len(cache.rotating)
-    dynamic = ({0: batch, 1: seq_len}, {0: batch, 1: total}, {0: batch, 1: seq_len}, tuple({0: batch} for _ in range(2 * layers)))
+    dynamic = (
+        {0: batch, 1: seq_len},
+        {0: batch, 1: total},
+        {0: batch, 1: seq_len},
+        tuple({0: batch} for _ in range(2 * layers)),
+    )
     inputs, outputs = io_names(layers)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The exporter reports progress and benign notes (missing torchvision, merged axis names) as
@@ -207,9 +109,17 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                step, example_inputs(cache), str(path), dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic,
-                input_names=inputs, output_names=outputs, custom_translation_table=onnx_translations(),
-                external_data=True, verbose=False,
+                step,
+                example_inputs(cache),
+                str(path),
+                dynamo=True,
+                opset_version=OPSET,
+                dynamic_shapes=dynamic,
+                input_names=inputs,
+                output_names=outputs,
+                custom_translation_table=onnx_translations(),
+                external_data=True,
+                verbose=False,
             )
     finally:
         quiet.setLevel(level)
@@ -221,15 +131,27 @@ def graph_io(path: Path) -> dict[str, Any]:
 
     graph = onnx.load(str(path), load_external_data=False)
     if graph.ir_version > MAX_IR_VERSION:
-        raise ArtifactError(f"{path} came out with IR version {graph.ir_version}; onnxruntime loads up to {MAX_IR_VERSION}")
+        raise ArtifactError(
+            f"{path} came out with IR version {graph.ir_version}; onnxruntime loads up to {MAX_IR_VERSION}"
+        )
 
     def values(items: Any) -> list[dict[str, Any]]:
-        return [{"name": v.name, "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
-                 "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name} for v in items]
+        return [
+            {
+                "name": v.name,
+                "shape": [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim],
+                "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+            }
+            for v in items
+        ]
 
     opset = next(o.version for o in graph.opset_import if o.domain in ("", "ai.onnx"))
-    return {"opset": opset, "ir_version": graph.ir_version, "inputs": values(graph.graph.input),
-            "outputs": values(graph.graph.output)}
+    return {
+        "opset": opset,
+        "ir_version": graph.ir_version,
+        "inputs": values(graph.graph.input),
+        "outputs": values(graph.graph.output),
+    }
 
 
 def genai_config(cache: KVCache) -> dict[str, Any]:
@@ -246,31 +168,52 @@ def genai_config(cache: KVCache) -> dict[str, Any]:
         "num_attention_heads": c.num_heads,
         "num_hidden_layers": c.num_layers,
         "num_key_value_heads": c.num_kv_heads,
-        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", "position_ids": "position_ids",
-                   "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
-        "outputs": {"logits": "logits", "present_key_names": "present.%d.key", "present_value_names": "present.%d.value"},
+        "inputs": {
+            "input_ids": "input_ids",
+            "attention_mask": "attention_mask",
+            "position_ids": "position_ids",
+            "past_key_names": "past_key_values.%d.key",
+            "past_value_names": "past_key_values.%d.value",
+        },
+        "outputs": {
+            "logits": "logits",
+            "present_key_names": "present.%d.key",
+            "present_value_names": "present.%d.value",
+        },
     }
     if cache.window is not None:
         # Our rotating layers, described as genai's: a window plus slack slots, never slid or copied.
         decoder["sliding_window"] = {
-            "window_size": c.sliding_window, "cache_slack": cache.window - c.sliding_window,
-            "slide_key_value_cache": False, "slide_inputs": False,
+            "window_size": c.sliding_window,
+            "cache_slack": cache.window - c.sliding_window,
+            "slide_key_value_cache": False,
+            "slide_inputs": False,
             "layers": [i for i, r in enumerate(cache.rotating) if r],
         }
     eos = list(c.eos_token_ids)
     return {
         "model": {
-            "type": "decoder", "context_length": context, "vocab_size": c.vocab_size, "decoder": decoder,
+            "type": "decoder",
+            "context_length": context,
+            "vocab_size": c.vocab_size,
+            "decoder": decoder,
             "bos_token_id": c.bos_token_id if c.bos_token_id is not None else 0,
             "eos_token_id": eos[0] if len(eos) == 1 else eos or 0,
             "pad_token_id": c.pad_token_id if c.pad_token_id is not None else (eos[0] if eos else 0),
         },
-        "search": {"do_sample": False, "num_beams": 1, "max_length": context, "min_length": 0,
-                   "past_present_share_buffer": True},
+        "search": {
+            "do_sample": False,
+            "num_beams": 1,
+            "max_length": context,
+            "min_length": 0,
+            "past_present_share_buffer": True,
+        },
     }
 
 
-def write_onnx(folder: Path, model: Decoder, cache: KVCache, timed: Callable[[str, Callable[[], Any]], Any]) -> dict[str, Any]:
+def write_onnx(
+    folder: Path, model: Decoder, cache: KVCache, timed: Callable[[str, Callable[[], Any]], Any]
+) -> dict[str, Any]:
     """Write the graph (checked with `onnx.checker`, full check) and genai_config.json into `folder`;
     return the manifest's `onnx` field."""
     import onnx

@@ -16,8 +16,10 @@ Files, beside manifest.json:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +72,9 @@ def export_programs(step: StepProgram, batch: int, buckets: Sequence[int]) -> di
     programs = {}
     for seq_len in sorted({1, *buckets}):
         with torch.no_grad():
-            programs[program_name(seq_len)] = torch.export.export(step, example_inputs(batch, seq_len, device), strict=False)
+            programs[program_name(seq_len)] = torch.export.export(
+                step, example_inputs(batch, seq_len, device), strict=False
+            )
     return programs
 
 
@@ -89,7 +93,9 @@ def constant_layouts(constants: dict[str, torch.Tensor]) -> dict[str, dict[str, 
     }
 
 
-def write_torch(folder: Path, step: StepProgram, buckets: Sequence[int], formats: Sequence[str], timed: Timed) -> dict[str, Any]:
+def write_torch(
+    folder: Path, step: StepProgram, buckets: Sequence[int], formats: Sequence[str], timed: Timed
+) -> dict[str, Any]:
     """Write the `formats` ("aoti", "pt2") of `step`'s programs and weights.safetensors into
     `folder`; return their manifest fields."""
     from safetensors.torch import save_file
@@ -102,15 +108,24 @@ def write_torch(folder: Path, step: StepProgram, buckets: Sequence[int], formats
         (folder / "pt2").mkdir()
         with warnings.catch_warnings():  # torch.export.save notes that CPU weights share no storage group
             warnings.filterwarnings("ignore", message="No complete tensor found")
-            timed("write .pt2 programs", lambda: [torch.export.save(ep, folder / "pt2" / f"{name}.pt2")
-                                                  for name, ep in programs.items()])
+            timed(
+                "write .pt2 programs",
+                lambda: [torch.export.save(ep, folder / "pt2" / f"{name}.pt2") for name, ep in programs.items()],
+            )
     if "aoti" in formats:
         (folder / "aoti").mkdir()
         for name, ep in programs.items():
             # Weights stay out of the package: weights.safetensors holds them once for every program.
-            timed(f"lower and compile {name} (AOTInductor)", lambda: aoti_compile_and_package(
-                ep, package_path=str(folder / "aoti" / f"{name}.pt2"),
-                inductor_configs={"aot_inductor.package_constants_in_so": False}))
+            package = str(folder / "aoti" / f"{name}.pt2")
+            timed(
+                f"lower and compile {name} (AOTInductor)",
+                partial(
+                    aoti_compile_and_package,
+                    ep,
+                    package_path=package,
+                    inductor_configs={"aot_inductor.package_constants_in_so": False},
+                ),
+            )
     weights = {k: v.contiguous() for k, v in constants.items() if k.startswith("model.")}
     timed("write weights", lambda: save_file(weights, str(folder / WEIGHTS)))
     return {
@@ -119,5 +134,3 @@ def write_torch(folder: Path, step: StepProgram, buckets: Sequence[int], formats
         "constants": constant_layouts(constants),
         "weights": WEIGHTS,
     }
-
-

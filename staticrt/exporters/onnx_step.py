@@ -1,0 +1,127 @@
+"""The step an ONNX graph holds, in onnxruntime-genai's names: the decoder over a cache whose layers
+are the graph's `past` inputs and `present` outputs, indexed by attention-mask column
+(onnx_export.py's docstring gives the convention)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..caches import KVCache, StepMetadata, masks
+from ..model import Decoder
+from ..ops import tensor_scatter
+
+
+@dataclass
+class StepInputs:
+    attention_mask: torch.Tensor  # [B, T] int64, 1 where a column holds a real token
+    position_ids: torch.Tensor  # [B, S] int64, each new token's position (a hole's means nothing)
+    write_index: torch.Tensor  # [B] int64, the column of each row's first new entry (T - S)
+
+
+class GraphCache(KVCache):
+    """A cache whose layers are a graph's inputs (`past`) and outputs (`present`), indexed by mask
+    column. It is mixed in before a cache class (`graph_cache`), which decides as it always does
+    which layers rotate and how many slots each holds; only the K/V buffers are left out."""
+
+    past: list[tuple[torch.Tensor, torch.Tensor]]  # this step's K/V inputs, set by `bind`
+    present: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> its written K/V outputs
+    inputs: StepInputs
+
+    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
+        """No buffers: each layer's K/V arrives as `past_key_values.{i}.*`, shaped `layer_shape`."""
+
+    def bind(self, past: list[torch.Tensor], inputs: StepInputs) -> None:
+        """Take this step's inputs: `past` as [key_0, value_0, key_1, ...], each `[B, H_kv, N_i, D]`."""
+        assert len(past) == 2 * len(self.rotating), f"{len(past)} past tensors for {len(self.rotating)} layers"
+        self.past = [(past[2 * i], past[2 * i + 1]) for i in range(len(self.rotating))]
+        self.present = {}
+        self.inputs = inputs
+
+    def presents(self) -> list[torch.Tensor]:
+        return [t for i in range(len(self.rotating)) for t in self.present[i]]
+
+    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int) -> StepMetadata:
+        """Lengths live in the attention mask here, and positions are the graph's `position_ids`
+        (a padded row's slots and positions differ)."""
+        return self.metadata(write_index, num_new, self.inputs.position_ids)
+
+    def writes_first(self, rotating: bool, seq_len: int) -> bool:
+        """Rotating layers always attend first: one graph serves every S, decode included."""
+        return not rotating
+
+    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.present.get(layer_idx, self.past[layer_idx])
+
+    def update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        write_index: torch.Tensor,
+        num_new: torch.Tensor,
+        after: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """present = TensorScatter(past, new, T - S); a rotating layer keeps the newest min(S, window)."""
+        rotating = self.rotating[layer_idx]
+        if rotating:
+            seq_len = key.shape[2]
+            dropped = torch.sym_max(seq_len - self.window, 0)  # entries older than the window, gone anyway
+            key, value = key[:, :, dropped:], value[:, :, dropped:]
+            write_index = write_index + dropped
+        self.present[layer_idx] = tuple(
+            tensor_scatter(buf, new, write_index, rotating, after)
+            for buf, new in zip(self.past[layer_idx], (key, value))
+        )
+        return self.present[layer_idx]
+
+    def mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
+        """`[B, 1, S, L(+S)]`: the columns a layer holds (`masks.key_positions` of the step's
+        columns), visible where the mask marks them real and their token position is causal (and
+        inside the window) for the query's position. A query always sees its own column, so a
+        hole (whose position means nothing) still has one key and softmax stays finite."""
+        mask = self.inputs.attention_mask  # [B, T]
+        total, seq_len = mask.shape[1], positions.shape[1]
+        columns = self.inputs.write_index[:, None] + torch.arange(seq_len, device=mask.device)  # [B, S]
+        slots = self.window if rotating else self.spec.max_cache_len
+        key_columns = masks.key_positions(columns, slots, rotating, self.writes_first(rotating, seq_len))  # [B, S, K]
+        index = key_columns.clamp(0, total - 1).flatten(1)  # [B, S*K]
+        real = (key_columns >= 0) & (mask.gather(1, index).view_as(key_columns) > 0)
+        key_pos = (torch.cumsum(mask, dim=1) - 1).gather(1, index).view_as(key_columns)
+        window = self.config.sliding_window if attention == "sliding_attention" else None
+        seen = masks.visible(torch.where(real, key_pos, -1), positions[:, :, None], window)
+        return (seen | (key_columns == columns[:, :, None]))[:, None]
+
+
+def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:
+    """`[B]`: columns up to and including each row's last marked one, i.e. T for a mask that ends
+    with this step, as genai's growing mask does. A runner that keeps the mask at a fixed width
+    (genai's CUDA-graph mode; staticrt's runner, so decode has one shape) leaves zeros after it."""
+    columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
+    return (attention_mask * columns).amax(dim=1)
+
+
+def graph_cache(layout: KVCache) -> GraphCache:
+    """A `GraphCache` laid out like the built cache `layout` (same kind, spec, dtype and device)."""
+    cls = type(f"Graph{type(layout).__name__}", (GraphCache, type(layout)), {})
+    return cls(layout.config, layout.spec, layout.dtype, layout.device)
+
+
+class OnnxStep(nn.Module):
+    """The graph's forward, in genai's names: one step of S tokens a row at columns T - S .. T - 1."""
+
+    def __init__(self, model: Decoder, layout: KVCache) -> None:
+        super().__init__()
+        self.model = model
+        self.cache = graph_cache(layout)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        seq_len = input_ids.shape[1]  # input_ids, position_ids [B, S]; attention_mask [B, T]
+        write_index = marked_columns(attention_mask) - seq_len  # [B]
+        self.cache.bind(list(past), StepInputs(attention_mask, position_ids, write_index))
+        logits = self.model(input_ids, write_index, self.cache)  # [B, V] at column T - 1
+        return (logits[:, None], *self.cache.presents())
