@@ -51,8 +51,7 @@ def seen(cache, layer: int, positions: list[int], query: int) -> list[int]:
     pos = torch.tensor([positions])
     rotating = cache.rotating[layer]
     mask = cache.mask(cache.config.layer_types[layer], rotating, pos)[0, 0, query]  # [L] or [L + T]
-    slots = cache.get_max_cache_shape(layer)
-    keys = masks.key_positions(pos, slots, rotating, cache.writes_first(rotating, len(positions)))
+    keys = cache.key_positions(rotating, pos)
     return sorted(keys[0, query][mask].tolist())
 
 

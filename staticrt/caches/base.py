@@ -135,10 +135,17 @@ class KVCache(nn.Module, ABC):
     def mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
         """Bool `[B, 1, T, L]`, or `[B, 1, T, L + T]` for a step that reads first: which slots
         (then which of the step's own entries) a query at `positions [B, T]` may see."""
+        keys = self.key_positions(rotating, positions)
+        return masks.visible(keys, positions[:, :, None], self.attention_window(attention))[:, None]
+
+    def key_positions(self, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
+        """`masks.key_positions` for a layer of this layout in a step at `positions [B, T]`."""
         slots = self.window if rotating else self.spec.max_cache_len
-        keys = masks.key_positions(positions, slots, rotating, self.writes_first(rotating, positions.shape[1]))
-        window = self.config.sliding_window if attention == "sliding_attention" else None
-        return masks.visible(keys, positions[:, :, None], window)[:, None]
+        return masks.key_positions(positions, slots, rotating, self.writes_first(rotating, positions.shape[1]))
+
+    def attention_window(self, attention: str) -> int | None:
+        """How far back a layer of this attention kind sees: the model's window, or everything."""
+        return self.config.sliding_window if attention == "sliding_attention" else None
 
     def update(
         self,

@@ -85,12 +85,11 @@ class GraphCache(KVCache):
         mask = self.inputs.attention_mask  # [B, T]
         total, seq_len = mask.shape[1], positions.shape[1]
         columns = self.inputs.write_index[:, None] + torch.arange(seq_len, device=mask.device)  # [B, S]
-        slots = self.window if rotating else self.spec.max_cache_len
-        key_columns = masks.key_positions(columns, slots, rotating, self.writes_first(rotating, seq_len))  # [B, S, K]
+        key_columns = self.key_positions(rotating, columns)  # [B, S, K]
         index = key_columns.clamp(0, total - 1).flatten(1)  # [B, S*K]
         real = (key_columns >= 0) & (mask.gather(1, index).view_as(key_columns) > 0)
         key_pos = (torch.cumsum(mask, dim=1) - 1).gather(1, index).view_as(key_columns)
-        window = self.config.sliding_window if attention == "sliding_attention" else None
+        window = self.attention_window(attention)
         seen = masks.visible(torch.where(real, key_pos, -1), positions[:, :, None], window)
         return (seen | (key_columns == columns[:, :, None]))[:, None]
 
