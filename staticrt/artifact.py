@@ -2,10 +2,11 @@
 
 The manifest records the schema version, the staticrt/torch/onnx versions that wrote it, the model
 config, the cache spec, batch size, lengths, window, prefill buckets, dtypes, every program's
-input/output names and shapes, and the sha256 of every file. An artifact is built in a temporary
-folder next to its target and renamed into place only when complete, so an interrupted export
-leaves neither a half artifact nor a stray temporary folder. The loader checks the manifest and
-every hash before anything is run and names the file or field that does not match.
+input/output names and shapes, and the sha256 of every file in the folder. It is sealed: its own
+sha256 (over its canonical JSON, without that field) is its last field, so an edited limit is
+refused like an edited program. The loader checks the seal, the type of every field a backend
+reads, and every file's hash, and refuses a file the manifest does not list; it names the file or
+field at fault. Writing is in artifact_write.py.
 
 This module imports no torch: an ONNX artifact deploys with onnxruntime and numpy alone.
 """
@@ -14,19 +15,47 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import ArtifactError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the manifest is sealed (manifest_sha256) and lists every file
 MANIFEST = "manifest.json"
-REQUIRED_FIELDS = ("schema_version", "versions", "model", "cache", "formats", "files")
+SEAL = "manifest_sha256"
 # Artifact formats, each run by the backend of its name (runtime.py), in the order a default is picked.
 FORMATS = ("aoti", "pt2", "onnx")
+TORCH_FORMATS = ("aoti", "pt2")
+REEXPORT = "re-export the artifact with `staticrt export`"
+
+# Every field a loader reads, by dotted path, with the JSON types it may hold (None: null).
+FIELDS: dict[str, tuple[type | None, ...]] = {
+    "versions": (dict,),
+    "model": (dict,),
+    "model.config": (dict,),
+    "model.config.vocab_size": (int,),
+    "model.config.max_position_embeddings": (int,),
+    "cache": (dict,),
+    "cache.kind": (str,),
+    "cache.max_batch_size": (int,),
+    "cache.max_cache_len": (int,),
+    "cache.max_sequence_len": (int, None),
+    "dtype": (str,),
+    "device": (str,),
+    "prefill_buckets": (list,),
+    "formats": (list,),
+    "files": (dict,),
+}
+FORMAT_FIELDS: dict[str, dict[str, tuple[type | None, ...]]] = {
+    "torch": {"programs": (dict,), "constants": (dict,), "weights": (str,)},
+    "onnx": {
+        "onnx": (dict,),
+        "onnx.graph": (str,),
+        "onnx.inputs": (list,),
+        "onnx.opset": (int,),
+        "onnx.ir_version": (int,),
+    },
+}
 
 
 def program_name(seq_len: int) -> str:
@@ -42,71 +71,96 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_artifact(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
-    """Run `build(folder)`, which writes the artifact's files into `folder` and returns the
-    manifest's fields; hash every file, write the manifest, and move the folder to `target`.
+def _digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    Nothing appears at `target` unless `build` finishes; on any failure the temporary folder is
-    removed and the error propagates. An existing artifact at `target` is replaced only once the
-    new one is complete.
-    """
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
-        fields = build(work)
-        files = sorted(p for p in work.rglob("*") if p.is_file())
-        manifest = {
-            "schema_version": SCHEMA_VERSION,
-            **fields,
-            "files": {p.relative_to(work).as_posix(): sha256(p) for p in files},
-        }
-        (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if target.exists():
-            old = target.with_name(f".{target.name}.replaced")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-            work.rename(target)
-            shutil.rmtree(old)
-        else:
-            work.rename(target)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return target
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with its own sha256 as the last field (what the writer stores, and the loader checks)."""
+    body = {key: value for key, value in manifest.items() if key != SEAL}
+    return {**body, SEAL: _digest(body)}
+
+
+def field(manifest: dict[str, Any], path: str) -> Any:
+    """The value at dotted `path` (`cache.max_batch_size`), once `read_manifest` has checked its type."""
+    value: Any = manifest
+    for key in path.split("."):
+        value = value[key]
+    return value
+
+
+def _check_field(manifest: dict[str, Any], path: str, kinds: tuple[type | None, ...], source: Path) -> None:
+    value: Any = manifest
+    for depth, key in enumerate(path.split(".")):
+        if not isinstance(value, dict) or key not in value:
+            raise ArtifactError(f"{source}: field {'.'.join(path.split('.')[: depth + 1])} is missing; {REEXPORT}")
+        value = value[key]
+    allowed = tuple(k for k in kinds if k is not None)
+    ok = (value is None and None in kinds) or (isinstance(value, allowed) and not isinstance(value, bool))
+    if not ok or (isinstance(value, int) and value < 1):
+        names = " or ".join("null" if k is None else k.__name__ for k in kinds)
+        raise ArtifactError(f"{source}: field {path} is {value!r}, expected {names} (>= 1 for numbers); {REEXPORT}")
 
 
 def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
-    """The manifest of the artifact in `folder`, after checking its schema, its fields and (with
-    `verify`) the sha256 of every file it lists."""
+    """The manifest of the artifact in `folder`, after checking its schema, its seal, the type of
+    every field a loader reads and (with `verify`) the sha256 of every file in the folder."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{folder} is not an artifact: {MANIFEST} is missing; export one with `staticrt export`")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ArtifactError(f"{path} is not valid JSON ({err}); re-export the artifact") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{path} is not valid JSON ({err}); {REEXPORT}") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REEXPORT}")
     version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise ArtifactError(
             f"{path}: field schema_version is {version!r}, this staticrt reads schema_version {SCHEMA_VERSION}; "
             "re-export the artifact with this staticrt"
         )
-    missing = [name for name in REQUIRED_FIELDS if name not in manifest]
-    if missing:
-        raise ArtifactError(f"{path}: field(s) {', '.join(missing)} missing; re-export the artifact")
+    if manifest.get(SEAL) != _digest({k: v for k, v in manifest.items() if k != SEAL}):
+        raise ArtifactError(
+            f"{path} does not match its own {SEAL} (edited or corrupted since export); the limits it records "
+            f"are what the loader enforces, so an edited manifest is refused: {REEXPORT}"
+        )
+    fields = dict(FIELDS)
+    formats = manifest.get("formats")
+    if isinstance(formats, list):
+        unknown = [f for f in formats if f not in FORMATS]
+        if unknown or not formats:
+            raise ArtifactError(f"{path}: field formats is {formats!r}; formats are {', '.join(FORMATS)}; {REEXPORT}")
+        if any(f in TORCH_FORMATS for f in formats):
+            fields |= FORMAT_FIELDS["torch"]
+        if "onnx" in formats:
+            fields |= FORMAT_FIELDS["onnx"]
+    for name, kinds in fields.items():
+        _check_field(manifest, name, kinds, path)
     if verify:
-        for name, expected in manifest["files"].items():
-            file = folder / name
-            if not file.is_file():
-                raise ArtifactError(f"{file} is listed in {MANIFEST} but missing; re-export the artifact")
-            if sha256(file) != expected:
-                raise ArtifactError(
-                    f"{file} does not match the sha256 in {MANIFEST} (changed or corrupted since export); "
-                    "re-export the artifact"
-                )
+        _verify_files(folder, manifest["files"])
     return manifest
+
+
+def _verify_files(folder: Path, files: dict[str, Any]) -> None:
+    """Every listed file present with its hash, and no file the manifest does not list."""
+    for name, expected in files.items():
+        file = folder / name
+        if not file.is_file():
+            raise ArtifactError(f"{file} is listed in {MANIFEST} but missing; {REEXPORT}")
+        if sha256(file) != expected:
+            raise ArtifactError(
+                f"{file} does not match the sha256 in {MANIFEST} (changed or corrupted since export); "
+                "re-export the artifact"
+            )
+    held = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
+    unlisted = [name for name in held if name != MANIFEST and name not in files]
+    if unlisted:
+        raise ArtifactError(
+            f"{folder} holds file(s) {unlisted[:5]} that {MANIFEST} does not list; an artifact holds only what "
+            f"its export wrote: move them out of the folder or {REEXPORT}"
+        )
 
 
 def require_format(folder: Path, manifest: dict[str, Any], backend: str | None) -> None:

@@ -24,7 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from .errors import ArtifactError
+from .errors import ArtifactError, as_int
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,18 @@ def read_recipe(path: str | Path) -> Recipe:
     model = str(data["model"])
     if (path.parent / model).exists():  # a checkpoint folder beside the recipe; else a preset or a full path
         model = str((path.parent / model).resolve())
+    number = lambda key, value: as_int(value, f"recipe {path}: {key}", 1, ArtifactError)  # noqa: E731
+    lists = [k for k in ("prefill_buckets", "formats") if not isinstance(data[k], list)]
+    if lists:
+        raise ArtifactError(f"recipe {path}: {', '.join(lists)} must be a list, like {lists[0]} = [...]")
     return Recipe(
         name=path.stem,
         model=model,
-        cache=data["cache"],
-        batch_size=int(data["batch_size"]),
-        max_cache_len=int(data["max_cache_len"]),
-        prefill_buckets=tuple(int(b) for b in data["prefill_buckets"]),
-        formats=tuple(data["formats"]),
-        dtype=data.get("dtype", "float32"),
-        window=data.get("window"),
+        cache=str(data["cache"]),
+        batch_size=number("batch_size", data["batch_size"]),
+        max_cache_len=number("max_cache_len", data["max_cache_len"]),
+        prefill_buckets=tuple(number("prefill_buckets", b) for b in data["prefill_buckets"]),
+        formats=tuple(str(f) for f in data["formats"]),
+        dtype=str(data.get("dtype", "float32")),
+        window=None if data.get("window") is None else number("window", data["window"]),
     )

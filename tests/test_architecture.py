@@ -16,6 +16,7 @@ TORCH_FREE = (
     "staticrt.errors",
     "staticrt.generate",
     "staticrt.artifact",
+    "staticrt.artifact_write",
     "staticrt.host_sampling",
     "staticrt.runtime",
     "staticrt.backends.onnx",

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import staticrt
+from staticrt.artifact import seal
 from staticrt.caches import CacheSpec
 from staticrt.cli import main
 from staticrt.errors import ArtifactError, GenerationError
@@ -149,7 +150,7 @@ def test_another_schema_version_is_refused_by_field(artifacts, tmp_path):
         load_artifact(folder)
     assert str(err.value) == (
         f"{folder / 'manifest.json'}: field schema_version is 99, this staticrt reads "
-        "schema_version 1; re-export the artifact with this staticrt"
+        "schema_version 2; re-export the artifact with this staticrt"
     )
 
 
@@ -217,8 +218,8 @@ def test_cold_start_bench_times_fresh_processes_for_every_program_kind(artifacts
 def test_an_artifact_for_another_cpu_is_refused_for_aoti(artifacts, tmp_path):
     folder = copy_artifact(artifacts, tmp_path)
     manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["cpu_capability"] = "AVX1024"
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    manifest["cpu_capability"] = "AVX1024"  # as if exported on another CPU: sealed as the exporter would
+    (folder / "manifest.json").write_text(json.dumps(seal(manifest)))
     with pytest.raises(
         ArtifactError,
         match=r"field cpu_capability is 'AVX1024', this CPU offers '\w+'; the compiled "

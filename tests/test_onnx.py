@@ -16,7 +16,7 @@ import torch
 from hf_models import hf_greedy
 
 import staticrt
-from staticrt.artifact import sha256
+from staticrt.artifact import seal, sha256
 from staticrt.caches import CacheSpec
 from staticrt.errors import ArtifactError, GenerationError
 from staticrt.exporters import export_artifact
@@ -212,8 +212,8 @@ def test_requests_beyond_the_artifact_are_refused_before_running(onnx_artifacts)
     gen = load_artifact(onnx_artifacts["llama", "static"], backend="onnx")
     with pytest.raises(
         GenerationError,
-        match=r"^4 prompts exceed max_batch_size=3; split the batch or build the "
-        r"Generator with a larger max_batch_size$",
+        match=r"^4 prompts exceed max_batch_size=3; split the batch or re-export the artifact with a larger "
+        r"--batch-size$",
     ):
         gen.generate([[1]] * 4, max_new_tokens=2)
     with pytest.raises(
@@ -249,7 +249,8 @@ def test_a_missing_or_altered_graph_file_is_named(onnx_artifacts, tmp_path):
         load_artifact(folder, backend="onnx")
     data.unlink()
     with pytest.raises(
-        ArtifactError, match=rf"^{data} is listed in manifest.json but missing; re-export the artifact$"
+        ArtifactError,
+        match=rf"^{data} is listed in manifest.json but missing; re-export the artifact with `staticrt export`$",
     ):
         load_artifact(folder, backend="onnx")
 
@@ -265,7 +266,7 @@ def test_an_opset_the_installed_onnxruntime_cannot_run_is_refused_with_the_opset
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["onnx"]["opset"] = 99
     manifest["files"]["onnx/model.onnx"] = sha256(path)
-    (folder / "manifest.json").write_text(json.dumps(manifest))
+    (folder / "manifest.json").write_text(json.dumps(seal(manifest)))
     with pytest.raises(
         ArtifactError,
         match=rf"^{path}: onnxruntime {ort.__version__} cannot load this graph \(opset 99, "

@@ -1,12 +1,16 @@
-"""What every backend over an artifact folder shares: the limits the generation loop checks,
-read off the manifest once the folder has been checked and an artifact without the format refused."""
+"""What every backend over an artifact folder shares: the limits the generation loop checks, read
+off the manifest once its seal, its fields and every file's hash have been checked, an artifact
+without the format refused, and (by each backend) held against the shapes it actually loaded."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from ..artifact import read_manifest, require_format
+from ..artifact import REEXPORT, field, read_manifest, require_format
+from ..errors import ArtifactError
+
+FLAGS = {"max_cache_len": "--max-cache-len", "max_batch_size": "--batch-size", "prefill_buckets": "--prefill-buckets"}
 
 
 class ArtifactBackend:
@@ -16,13 +20,24 @@ class ArtifactBackend:
         self.folder = Path(folder)
         self.manifest = manifest or read_manifest(self.folder)
         require_format(self.folder, self.manifest, format)
-        cache, config = self.manifest["cache"], self.manifest["model"]["config"]
-        self.cache_kind = cache["kind"]
-        self.batch_size = cache["max_batch_size"]
-        self.max_cache_len = cache["max_cache_len"]
-        self.max_sequence_len = cache["max_sequence_len"]
-        self.vocab_size = config["vocab_size"]
-        self.eos_token_ids = tuple(config.get("eos_token_ids", ()))
+        self.cache_kind = field(self.manifest, "cache.kind")
+        self.batch_size = field(self.manifest, "cache.max_batch_size")
+        self.max_cache_len = field(self.manifest, "cache.max_cache_len")
+        self.max_sequence_len = field(self.manifest, "cache.max_sequence_len")
+        self.vocab_size = field(self.manifest, "model.config.vocab_size")
+        self.eos_token_ids = tuple(self.manifest["model"]["config"].get("eos_token_ids", ()))
+
+    def check_loaded(self, what: str, recorded: Any, loaded: Any, source: Path) -> None:
+        """Refuse a manifest whose `what` differs from the shape of the program or weights loaded."""
+        if recorded != loaded:
+            raise ArtifactError(
+                f"{self.folder / 'manifest.json'} records {what} {recorded!r}, but {source} holds {loaded!r}; "
+                f"the files do not belong together: {REEXPORT}"
+            )
+
+    def remedy(self, limit: str) -> str:
+        """An artifact's limits are its programs' shapes: only a new export raises them."""
+        return f"re-export the artifact with a larger {FLAGS[limit]}"
 
     def report(self) -> dict[str, Any]:
         """Nothing beyond the timings: the runtime owns the artifact's memory."""

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifact import program_name
+from ..artifact import REEXPORT, program_name
 from ..dtypes import resolve_dtype
 from ..errors import ArtifactError, GenerationError, check_positions
 from ..generate import SamplingParams
@@ -30,16 +30,22 @@ def load_constants(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Te
     """Every constant the programs name: the weights in their traced strides, zeroed cache state."""
     from safetensors.torch import load_file
 
-    weights = load_file(str(folder / manifest["weights"]))
+    source = folder / manifest["weights"]
+    weights = load_file(str(source))
     constants = {}
     for name, layout in manifest["constants"].items():
         tensor = torch.empty_strided(layout["shape"], layout["strides"], dtype=resolve_dtype(layout["dtype"]))
         if name in weights:
+            if weights[name].shape != tensor.shape:
+                raise ArtifactError(
+                    f"{source} holds {name} of shape {list(weights[name].shape)}, manifest.json records "
+                    f"{layout['shape']}; the files do not belong together: {REEXPORT}"
+                )
             tensor.copy_(weights[name])
         elif name.startswith("cache."):
             tensor.zero_()
         else:
-            raise ArtifactError(f"{folder / manifest['weights']} lacks constant {name}; re-export the artifact")
+            raise ArtifactError(f"{source} lacks constant {name}; {REEXPORT}")
         constants[name] = tensor
     return constants
 
@@ -91,6 +97,8 @@ class ExportedBackend(ArtifactBackend):
                 f"offers {capability!r}; the compiled code may not run here: use --backend pt2 or re-export here"
             )
         self.constants = load_constants(folder, manifest)
+        embedding = self.constants["model.embed_tokens.weight"]  # [V, C], as the weights file holds it
+        self.check_loaded("vocab_size", self.vocab_size, embedding.shape[0], folder / manifest["weights"])
         load = _aoti_program if format == "aoti" else _pt2_program
         self.programs = {name: load(folder / format / f"{name}.pt2", self.constants) for name in manifest["programs"]}
         self.cache_state = [t for name, t in self.constants.items() if name.startswith("cache.")]
@@ -115,7 +123,9 @@ class ExportedBackend(ArtifactBackend):
                 "backends (pass do_sample=False here)"
             )
         seq_len = input_ids.shape[1]
-        check_positions(write_index, seq_len, self.max_sequence_len, self.cache_kind)
+        check_positions(
+            write_index, seq_len, self.max_sequence_len, self.cache_kind, way_out=self.remedy("max_cache_len")
+        )
         program = self.programs[program_name(seq_len)]
         with torch.no_grad():
             next_ids = program(torch.from_numpy(input_ids), torch.from_numpy(write_index), torch.from_numpy(num_new))

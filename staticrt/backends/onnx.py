@@ -71,6 +71,7 @@ class OnnxBackend(ArtifactBackend):
         graphs = device == "cuda" and manifest["cache"]["max_sequence_len"] is not None
         self.session = _session(folder / section["graph"], section, threads, device, graphs)
         self.device = device
+        self._check_graph(folder / section["graph"], section)
         # The graph takes any prompt width; the loop's padding is stripped in `_step_inputs`.
         self.buckets = (self.max_sequence_len or manifest["model"]["config"]["max_position_embeddings"],)
         self.caches: dict[str, Any] = {}  # past input name -> its OrtValue [B, H_kv, N_i, D]
@@ -94,6 +95,16 @@ class OnnxBackend(ArtifactBackend):
         if device == "cuda" and self.max_sequence_len:  # decode replays one captured graph; prefill never
             self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
             self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
+
+    def _check_graph(self, path: Path, section: dict[str, Any]) -> None:
+        """The vocabulary and every cache input's shape come from the graph ONNX Runtime loaded;
+        the manifest's copies must agree (its `past` shapes size the buffers bound below)."""
+        graph = {value.name: value.shape for value in self.session.get_inputs() + self.session.get_outputs()}
+        self.check_loaded("vocab_size", self.vocab_size, graph.get("logits", [None])[-1], path)
+        for spec in section["inputs"]:
+            if str(spec.get("name", "")).startswith("past_key_values."):
+                held = graph.get(spec["name"], [])[1:]
+                self.check_loaded(f"the shape of {spec['name']}", spec["shape"][1:], held, path)
 
     def reset(self) -> None:
         for value in self.caches.values():
@@ -159,7 +170,8 @@ class OnnxBackend(ArtifactBackend):
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
-        check_positions(write_index, int(num_new.max()), self.max_sequence_len, self.cache_kind)
+        way_out = self.remedy("max_cache_len")
+        check_positions(write_index, int(num_new.max()), self.max_sequence_len, self.cache_kind, way_out=way_out)
         ids, mask, positions = self._step_inputs(input_ids, write_index, num_new)
         for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
             value = np.ascontiguousarray(value)

@@ -10,15 +10,18 @@ from typing import Any
 
 from ..artifact import FORMATS
 from ..console import console
+from ..errors import ArtifactError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from ..artifact_write import check_target
     from ..caches import CacheSpec
     from ..checkpoint import load_model
     from ..exporters import export_artifact
 
     recipe = _recipe(args)
     out = args.out or Path("artifacts") / recipe.name
+    check_target(out)
     model = load_model(recipe.model, dtype=recipe.dtype)
 
     def copy_tokenizer(folder: Path) -> None:
@@ -63,7 +66,7 @@ def _recipe(args: argparse.Namespace) -> Any:
         recipe = read_recipe(args.recipe)
         return dataclasses.replace(recipe, formats=formats) if formats else recipe
     if not (args.model and args.out):
-        raise SystemExit("staticrt export: give a recipe (export/NAME.toml), or --model and --out")
+        raise ArtifactError("give a recipe (export/NAME.toml), or --model and --out")
     config = load_config(args.model)
     max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
     return Recipe(

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..artifact import FORMATS, write_artifact
+from ..artifact import FORMATS
+from ..artifact_write import check_target, write_artifact
 from ..caches import CacheSpec, KVCache, build_cache
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
@@ -38,6 +39,7 @@ def export_artifact(
     `fields` are merged into the manifest (e.g. the recipe); `extra_files(folder)` may add files
     (the tokenizer) before the hashes are taken. Every input is checked before anything is built.
     """
+    check_target(target)
     cache = _export_cache(model, spec, buckets, formats)
     param = next(model.parameters())
 
