@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .artifact import FORMATS
 from .console import console
@@ -44,12 +45,34 @@ def _preset_names() -> str:
 
 
 def _prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
+    """Comma-separated token ids, ASCII digits only: "1 2 3", "1,,2", "1_000" and full-width
+    digits are refused rather than run as some other prompt."""
+    if not re.fullmatch(r"\s*[0-9]+(\s*,\s*[0-9]+)*\s*", text):
         raise argparse.ArgumentTypeError(
-            f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3"
-        ) from None
+            f"{text!r} is not comma-separated token ids; write them like 1,2,3 (digits 0-9, one comma between ids)"
+        )
+    return [int(t) for t in text.split(",")]
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of ASCII digits, at least `minimum`."""
+
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"\s*-?[0-9]+\s*", text) or int(text) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
+        return int(text)
+
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _at_least(1), _at_least(0)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (the command, the problem, where help is)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
 
 
 def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -67,19 +90,19 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
     p.add_argument(
         "--max-cache-len",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="positions a static layer holds (default: run fits prompt + new tokens; export and "
         "inspect take the model's context, at most 1024; never below the window for sliding and "
         "hybrid)",
     )
     p.add_argument(
-        "--window", type=int, default=None, help="slots of a rotating layer (default: the model's sliding_window)"
+        "--window", type=POSITIVE, default=None, help="slots of a rotating layer (default: the model's sliding_window)"
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="staticrt",
         description="LLM decoding as a fixed-shape, static-graph program.",
         epilog=EPILOG.format(presets=_preset_names()),
@@ -89,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run every backend on a built-in tiny model and check they agree")
     demo.add_argument("--model", default="tiny-llama", help="preset to demo (default tiny-llama)")
-    demo.add_argument("--new-tokens", type=int, default=MAX_NEW_TOKENS)
+    demo.add_argument("--new-tokens", type=POSITIVE, default=MAX_NEW_TOKENS)
 
     run = sub.add_parser(
         "run",
@@ -112,10 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="token ids of one row, comma-separated; repeat for a batch",
     )
-    run.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
+    run.add_argument("--max-new-tokens", type=POSITIVE, default=MAX_NEW_TOKENS)
     run.add_argument(
         "--threads",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="CPU threads for torch, or for ONNX Runtime with --backend onnx (default: the library's choice)",
     )
@@ -129,9 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
     run.add_argument("--temperature", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--top-k", type=NON_NEGATIVE, default=0)
     run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--seed", type=NON_NEGATIVE, default=None)
     run.add_argument(
         "--stop-ids",
         type=_prompt_ids,
@@ -149,20 +172,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: eager, compiled, cudagraph, reduce-overhead, onnx (exported to a "
         "temporary artifact, run in ONNX Runtime), hf (transformers, when installed)",
     )
-    bench.add_argument("--new-tokens", type=int, default=64)
-    bench.add_argument("--prompt-len", type=int, default=32)
-    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--new-tokens", type=POSITIVE, default=64)
+    bench.add_argument("--prompt-len", type=POSITIVE, default=32)
+    bench.add_argument("--batch-size", type=POSITIVE, default=1)
     bench.add_argument(
         "--repeats",
-        type=int,
+        type=POSITIVE,
         default=5,
         help="timed rounds after every backend's warm-up; a round runs each backend once, in turn",
     )
-    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bench.add_argument("--threads", type=POSITIVE, default=None, help="torch CPU threads")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument(
         "--window",
-        type=int,
+        type=POSITIVE,
         default=None,
         help="give every layer this sliding window and compare, past it, a SlidingWindow cache "
         "with a Static cache of the window and transformers' sliding-window cache "
@@ -188,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
     _add_model_args(inspect)
-    inspect.add_argument("--batch-size", type=int, default=1)
+    inspect.add_argument("--batch-size", type=POSITIVE, default=1)
     return parser
 
 
@@ -206,7 +229,7 @@ def _add_export_parser(sub: Any) -> None:
     )
     export.add_argument("recipe", nargs="?", type=Path, help="a recipe, export/NAME.toml (writes artifacts/NAME/)")
     _add_model_args(export, required=False)
-    export.add_argument("--batch-size", type=int, default=1)
+    export.add_argument("--batch-size", type=POSITIVE, default=1)
     export.add_argument(
         "--prefill-buckets",
         type=_prompt_ids,

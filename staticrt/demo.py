@@ -56,15 +56,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             first = time.perf_counter() - start
         results[name] = gen.generate(PROMPTS, max_new_tokens=args.new_tokens)
         stats = gen.last_stats
-        rows.append(
-            [
-                name,
-                first,
-                1000 * stats.prefill_s,
-                stats.decode_ms_per_token,
-                len(PROMPTS) * 1000 / stats.decode_ms_per_token,
-            ]
-        )
+        decode = stats.decode_ms_per_token  # None with one new token: nothing was decoded
+        per_second = len(PROMPTS) * 1000 / decode if decode else "n/a"
+        rows.append([name, first, 1000 * stats.prefill_s, decode or "n/a", per_second])
     console.print(
         table(
             "tokens/s (decode, batch of 3)",

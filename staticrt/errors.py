@@ -7,7 +7,10 @@ imports torch or numpy: the ONNX deploy path raises these too.
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Sequence
+from typing import Any
 
 
 class StaticrtError(ValueError):
@@ -38,22 +41,47 @@ class BenchError(StaticrtError):
     """A benchmark that cannot run as asked, naming the option."""
 
 
+def as_int(value: Any, name: str, minimum: int | None = None, error: type[StaticrtError] = GenerationError) -> int:
+    """`value` as a Python int when it is an integer (Python or NumPy, never a bool, a float or a
+    digit string: those would run as some other number without a word), at least `minimum`."""
+    try:
+        number = None if isinstance(value, bool) or type(value).__name__ == "bool_" else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None:
+        raise error(f"{name} is {value!r} ({type(value).__name__}); it must be an int")
+    if minimum is not None and number < minimum:
+        raise error(f"{name} is {number}; it must be an int >= {minimum}")
+    return number
+
+
+def as_real(value: Any, name: str, error: type[StaticrtError] = GenerationError) -> float:
+    """`value` as a finite Python float when it is a real number (never a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or type(value).__name__ == "bool_":
+        raise error(f"{name} is {value!r} ({type(value).__name__}); it must be a number")
+    number = float(value)
+    if number != number or number in (float("inf"), float("-inf")):
+        raise error(f"{name} is {number}; it must be a finite number")
+    return number
+
+
 def check_positions(
     write_index: Sequence[int],
     seq_len: int,
     limit: int | None,
     cache_kind: str,
     error: type[StaticrtError] = GenerationError,
+    way_out: str = "build it with a larger max_cache_len",
 ) -> None:
     """Refuse, on the host and before anything runs, a step of `seq_len` tokens a row at
     `write_index` that would write past position `limit - 1` of a `cache_kind` cache (None: no
-    limit). A compiled graph or an exported program cannot raise on data, so every backend checks here."""
+    limit). A compiled graph or an exported program cannot raise on data, so every backend checks
+    here; `way_out` says how this backend's limit is raised."""
     if limit is None:
         return
     for row, start in enumerate(write_index):
         if int(start) + seq_len > limit:
             raise error(
                 f"row {row} writes positions {int(start)}..{int(start) + seq_len - 1}, but this {cache_kind} "
-                f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); build it with a larger "
-                "max_cache_len"
+                f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); {way_out}"
             )

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .errors import GenerationError
+from .errors import GenerationError, as_int, as_real
 
 StreamCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
 MAX_NEW_TOKENS = 32  # what a generation asks for when nobody says (the Python API and `staticrt run`)
@@ -30,15 +30,22 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
 
-    def validate(self) -> None:
-        if not self.do_sample:
-            return
-        if not self.temperature > 0:
-            raise GenerationError(f"temperature is {self.temperature}; it must be > 0 (use do_sample=False for greedy)")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k is {self.top_k}; it must be >= 0 (0 keeps every token)")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p is {self.top_p}; it must be in (0, 1]")
+    def checked(self, vocab_size: int) -> SamplingParams:
+        """These parameters as plain Python numbers, or a GenerationError naming the one at fault.
+        Types are checked always, ranges when sampling; a top_k of the vocabulary or more keeps
+        every token, so it becomes 0 (and never overflows a tensor)."""
+        if not isinstance(self.do_sample, bool) and type(self.do_sample).__name__ != "bool_":
+            raise GenerationError(f"do_sample is {self.do_sample!r}; it must be True or False")
+        temperature = as_real(self.temperature, "temperature")
+        top_k = as_int(self.top_k, "top_k", 0)
+        top_p = as_real(self.top_p, "top_p")
+        seed = None if self.seed is None else as_int(self.seed, "seed", 0)
+        if self.do_sample:
+            if not temperature > 0:
+                raise GenerationError(f"temperature is {temperature}; it must be > 0 (use do_sample=False for greedy)")
+            if not 0 < top_p <= 1:
+                raise GenerationError(f"top_p is {top_p}; it must be in (0, 1]")
+        return SamplingParams(bool(self.do_sample), temperature, 0 if top_k >= vocab_size else top_k, top_p, seed)
 
 
 class StepBackend(Protocol):
@@ -58,6 +65,9 @@ class StepBackend(Protocol):
     def report(self) -> dict[str, Any]:
         """What a benchmark reads off the backend after its runs (cache bytes, graph GPU time)."""
 
+    def remedy(self, limit: str) -> str:
+        """How a user raises `limit` ("max_cache_len", "max_batch_size", "prefill_buckets") here."""
+
     def step(
         self,
         input_ids: np.ndarray,  # [B, T] int64
@@ -75,8 +85,9 @@ class GenerationStats:
     bucket: int = 0
 
     @property
-    def decode_ms_per_token(self) -> float:
-        return 1000 * float(np.median(self.decode_s)) if self.decode_s else float("nan")
+    def decode_ms_per_token(self) -> float | None:
+        """Median decode step in ms; None when the call decoded nothing (one new token: prefill only)."""
+        return 1000 * float(np.median(self.decode_s)) if self.decode_s else None
 
 
 def default_buckets(max_cache_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -88,25 +99,52 @@ def default_buckets(max_cache_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(sizes) + (max_cache_len,)
 
 
+@dataclass(frozen=True)
+class Request:
+    """A generation request after every check: plain Python values the loop can trust."""
+
+    rows: list[list[int]]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stops: frozenset[int]
+
+
+def _token_ids(value: Any, what: str) -> list[int]:
+    """A row of token ids from a list, tuple or 1-D integer array; each id an int (never a float,
+    a bool or a string, which would run as some other token)."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise GenerationError(f"{what} is a {type(value).__name__}; pass a list of token ids")
+    return [as_int(t, f"{what} token {i}") for i, t in enumerate(value)]
+
+
 def validate_request(
-    backend: StepBackend, prompts: Any, max_new_tokens: int, sampling: SamplingParams
-) -> list[list[int]]:
+    backend: StepBackend,
+    prompts: Any,
+    max_new_tokens: Any,
+    sampling: SamplingParams,
+    stop_token_ids: Any = (),
+    stream: Any = None,
+) -> Request:
     """Every check on a request, before the cache or the RNG is touched."""
+    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:
+        prompts = prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise GenerationError("prompts must be a non-empty list of token-id lists")
     if len(prompts) > backend.batch_size:
         raise GenerationError(
             f"{len(prompts)} prompts exceed max_batch_size={backend.batch_size}; "
-            "split the batch or build the Generator with a larger max_batch_size"
+            f"split the batch or {backend.remedy('max_batch_size')}"
         )
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens is {max_new_tokens!r}; it must be an int >= 1")
-    sampling.validate()
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens", 1)
+    sampling = sampling.checked(backend.vocab_size)
+    stops = frozenset(() if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"))
+    if stream is not None and not callable(stream):
+        raise GenerationError(f"stream is a {type(stream).__name__}; pass a function (row, token id) or None")
     rows = []
     for r, prompt in enumerate(prompts):
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-            raise GenerationError(f"prompt {r} is a {type(prompt).__name__}; pass a list of token ids")
-        ids = [int(t) for t in prompt]
+        ids = _token_ids(prompt, f"prompt {r}")
         if not ids:
             raise GenerationError(f"prompt {r} is empty; every row needs at least one token")
         bad = [t for t in ids if not 0 <= t < backend.vocab_size]
@@ -119,15 +157,15 @@ def validate_request(
             raise GenerationError(
                 f"prompt {r} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that is "
                 f"{len(ids) + max_new_tokens}, beyond max_cache_len={limit}; shorten the prompt, ask for "
-                "fewer tokens or build the Generator with a larger max_cache_len"
+                f"fewer tokens or {backend.remedy('max_cache_len')}"
             )
         if len(ids) > backend.buckets[-1]:
             raise GenerationError(
                 f"prompt {r} has {len(ids)} tokens, beyond the largest prefill bucket {backend.buckets[-1]}; "
-                "add a larger bucket"
+                f"shorten the prompt or {backend.remedy('prefill_buckets')}"
             )
         rows.append(ids)
-    return rows
+    return Request(rows, max_new_tokens, sampling, stops)
 
 
 def generate_tokens(
@@ -135,13 +173,14 @@ def generate_tokens(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     sampling: SamplingParams = SamplingParams(),
-    stop_token_ids: Sequence[int] = (),
+    stop_token_ids: Sequence[int] | None = (),
     stream: StreamCallback | None = None,
     stats: GenerationStats | None = None,
 ) -> list[list[int]]:
     """Prefill every row in one bucket, then decode one token a step until each row has
     `max_new_tokens` or has emitted a stop token (kept in its output, as transformers does)."""
-    rows = validate_request(backend, prompts, max_new_tokens, sampling)
+    request = validate_request(backend, prompts, max_new_tokens, sampling, stop_token_ids, stream)
+    rows, max_new_tokens, sampling, stops = request.rows, request.max_new_tokens, request.sampling, request.stops
     stats = stats if stats is not None else GenerationStats()
     batch, n_rows = backend.batch_size, len(rows)
     lengths = np.ones(batch, dtype=np.int64)  # rows beyond the request hold one dummy token
@@ -156,7 +195,6 @@ def generate_tokens(
         return rng.random(batch, dtype=np.float32) if sampling.do_sample else None
 
     backend.reset()
-    stops = set(int(t) for t in stop_token_ids)
     out: list[list[int]] = [[] for _ in rows]
     done = [False] * n_rows
     write_index = np.zeros(batch, dtype=np.int64)

@@ -8,13 +8,14 @@ face over any of them: a model (or an artifact) bound to a cache and a backend.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .artifact import FORMATS, read_manifest, require_format
-from .errors import GenerationError
+from .errors import ArtifactError, GenerationError, as_int
 from .generate import MAX_NEW_TOKENS, GenerationStats, SamplingParams, StepBackend, StreamCallback, generate_tokens
 
 
@@ -73,6 +74,7 @@ def load_artifact(path: str | Path, backend: str | None = None, threads: int | N
     the artifact holds. `threads` sets ONNX Runtime's intra-op threads (torch's are torch's).
     """
     folder = Path(path)
+    threads = None if threads is None else as_int(threads, "threads", 1, ArtifactError)
     manifest = read_manifest(folder)
     backend = backend or next((b for b in ARTIFACT_BACKENDS if b in manifest["formats"]), None)
     require_format(folder, manifest, backend)
@@ -91,6 +93,11 @@ class Generator:
     `staticrt.build_cache(model.config, ...)`), whose spec then sets batch size, length and window.
     `window` defaults to the model's `sliding_window`; `max_batch_size` to 1. Building the torch
     backends imports torch; this module itself does not.
+
+    A Generator may be shared between threads: its one cache holds one generation at a time, so
+    concurrent `generate` calls are serialised (each waits for the one under way). A `stream`
+    callback that calls `generate` on the same Generator is refused, since it would overwrite the
+    cache of the generation that called it.
     """
 
     def __init__(
@@ -116,6 +123,8 @@ class Generator:
                 window=window,
             )
         self.last_stats = GenerationStats()
+        self._lock = threading.Lock()
+        self._running_in: int | None = None  # the thread whose `generate` holds the cache
 
     def generate(
         self,
@@ -126,10 +135,23 @@ class Generator:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        stop_token_ids: Sequence[int] = (),
+        stop_token_ids: Sequence[int] | None = (),
         stream: StreamCallback | None = None,
     ) -> list[list[int]]:
         """New token ids per prompt; timings of the call land in `self.last_stats`."""
+        if self._running_in == threading.get_ident():
+            raise GenerationError(
+                "generate was called again while this thread's generate is under way (from its stream "
+                "callback?); the Generator's one cache holds one generation at a time: collect the tokens in "
+                "the callback and call generate after it returns, or use a second Generator"
+            )
         sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed)
-        self.last_stats = GenerationStats()
-        return generate_tokens(self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, self.last_stats)
+        with self._lock:
+            self._running_in = threading.get_ident()
+            try:
+                stats = GenerationStats()
+                tokens = generate_tokens(self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, stats)
+                self.last_stats = stats
+                return tokens
+            finally:
+                self._running_in = None

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
-from ..errors import CacheError, GenerationError
+from ..errors import CacheError, GenerationError, as_int
 from ..generate import SamplingParams, default_buckets
 from ..model import Decoder
 from ..sampling import greedy, sample
@@ -79,10 +79,15 @@ class EagerBackend:
             self.cache = cache
         else:
             max_cache_len = resolve_max_cache_len(config, cache, max_cache_len, window=window)
-            spec = CacheSpec(cache, max_batch_size or 1, max_cache_len, window)
+            spec = CacheSpec(cache, 1 if max_batch_size is None else max_batch_size, max_cache_len, window)
             self.cache = build_cache(config, spec, param.dtype, param.device)
         max_cache_len = self.cache.spec.max_cache_len
-        buckets = tuple(sorted(set(prefill_buckets))) if prefill_buckets else default_buckets(max_cache_len)
+        if prefill_buckets is None:
+            buckets = default_buckets(max_cache_len)
+        else:
+            buckets = tuple(sorted({as_int(b, "prefill bucket", 1) for b in prefill_buckets}))
+            if not buckets:
+                raise GenerationError("prefill_buckets is empty; give at least one width, or None for the default")
         if buckets[0] < 1 or buckets[-1] > max_cache_len:
             raise GenerationError(f"prefill buckets {list(buckets)} must lie in [1, max_cache_len={max_cache_len}]")
         self.model = model
@@ -104,6 +109,10 @@ class EagerBackend:
 
     def reset(self) -> None:
         self.cache.reset()
+
+    def remedy(self, limit: str) -> str:
+        """The Generator's own argument raises each limit."""
+        return f"build the Generator with a larger {'bucket in ' if limit == 'prefill_buckets' else ''}{limit}"
 
     def report(self) -> dict[str, Any]:
         """The cache's bytes on the device and in host memory."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..errors import CacheError
+from ..errors import CacheError, as_int
 
 # Cache kinds a user names; "auto" stands for what the config implies (`resolve_kind`).
 CACHE_KINDS = ("static", "sliding", "hybrid", "offloaded", "offloaded-hybrid")
@@ -31,6 +31,12 @@ class CacheSpec:
     window: int | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kind, str):
+            raise CacheError(f"cache is {self.kind!r}; name a kind ({', '.join(CACHE_CHOICES)}) or pass a built cache")
+        for name in ("max_batch_size", "max_cache_len", "window"):
+            value = getattr(self, name)
+            if value is not None or name != "window":  # plain ints from here on; bools and floats refused
+                object.__setattr__(self, name, as_int(value, name, error=CacheError))
         if self.max_batch_size < 1:
             raise CacheError(f"max_batch_size is {self.max_batch_size}; it must be at least 1")
         if self.max_cache_len < 1:

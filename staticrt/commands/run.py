@@ -8,14 +8,15 @@ import sys
 from typing import Any
 
 from ..console import console
+from ..errors import GenerationError
 
 
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     if args.prompt is None:
         return args.prompt_ids
     if tokenizer is None:
-        raise SystemExit(
-            f"staticrt run: --prompt needs a tokenizer.json in {args.artifact or args.model}, which has "
+        raise GenerationError(
+            f"--prompt needs a tokenizer.json in {args.artifact or args.model}, which has "
             "none; pass token ids with --prompt-ids 1,2,3 instead"
         )
     return [tokenizer.encode(args.prompt).ids]
@@ -26,7 +27,7 @@ def _artifact_run(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]]]:
     from ..tokenizer import load_tokenizer
 
     if args.model:
-        raise SystemExit("staticrt run: give an artifact folder or --model, not both")
+        raise GenerationError("give an artifact folder or --model, not both")
     gen = load_artifact(args.artifact, backend=args.backend, threads=args.threads)
     tokenizer = load_tokenizer(args.artifact / "tokenizer.json")
     return gen, tokenizer, _prompts(args, tokenizer)
@@ -39,7 +40,7 @@ def _model_run(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]]]:
     from ..runtime import Generator
 
     if not args.model:
-        raise SystemExit("staticrt run: say what to run: --model PRESET_OR_FOLDER, or an artifact folder")
+        raise GenerationError("say what to run: --model PRESET_OR_FOLDER, or an artifact folder")
     model = load_model(args.model, dtype=args.dtype)
     prompts = _prompts(args, model.tokenizer)
     needed = max(len(p) for p in prompts) + args.max_new_tokens
@@ -87,12 +88,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             "backend": gen.backend.name,
             "cache": gen.backend.cache_kind,
             "prefill_ms": 1000 * stats.prefill_s,
-            "decode_ms_per_token": stats.decode_ms_per_token,
+            "decode_ms_per_token": stats.decode_ms_per_token,  # null when one token was asked for
         }
         if tokenizer is not None:
             out["text"] = [tokenizer.decode(t) for t in tokens]
-        print(json.dumps(out))
+        print(json.dumps(out, allow_nan=False))
     else:
         sys.stdout.write("\n")
-        console.print(f"prefill {1000 * stats.prefill_s:.1f} ms, decode {stats.decode_ms_per_token:.2f} ms/token")
+        decode = stats.decode_ms_per_token
+        console.print(
+            f"prefill {1000 * stats.prefill_s:.1f} ms, "
+            + (f"decode {decode:.2f} ms/token" if decode is not None else "no decode step (one new token)")
+        )
     return 0
