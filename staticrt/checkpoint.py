@@ -5,11 +5,13 @@ Also builds the built-in presets: seeded random weights with no files, for the d
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig, load_hf_config
 from .dtypes import resolve_dtype
@@ -25,8 +27,14 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({folder / name for name in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({folder / str(name) for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(
+                f"{index} is not a safetensors index (JSON with a weight_map of tensor -> shard file: {err!r}); "
+                "restore it from the checkpoint"
+            ) from None
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index}: lists shard(s) {missing} that are not in the folder")
@@ -50,18 +58,41 @@ def _weight_files(folder: Path) -> list[Path]:
 def _read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                name = key.removeprefix("model.")
-                state[name] = f.get_tensor(key).to(dtype)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    name = key.removeprefix("model.")
+                    state[name] = f.get_tensor(key).to(dtype)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(
+                f"{path} cannot be read as safetensors ({reason}); the file is truncated or corrupt: download it again"
+            ) from None
     return state
+
+
+def _head_of(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> ModelConfig:
+    """The config the weights call for. With `tie_word_embeddings` a checkpoint may still hold its
+    own `lm_head.weight`: the tied copy (dropped), or a head of its own, which transformers keeps
+    (untied, with a warning), and so does staticrt."""
+    head, embedding = state.get("lm_head.weight"), state.get("embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None:
+        return config
+    if embedding is not None and torch.equal(head, embedding):
+        del state["lm_head.weight"]
+        return config
+    warnings.warn(
+        f"{source}: config.json ties the output head to the embedding, but the checkpoint holds an "
+        "lm_head.weight of its own; it is used untied, as transformers does. Set tie_word_embeddings "
+        "to false in config.json to silence this",
+        stacklevel=3,
+    )
+    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def load_state_dict_checked(model: Decoder, state: dict[str, torch.Tensor], source: str) -> None:
     """Assign `state` to `model`, refusing missing, unexpected or mis-shaped tensors by name."""
     expected = model.state_dict()
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # transformers may save the tied copy; it is the embedding
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -101,10 +132,11 @@ def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.floa
         model.source = str(path_or_preset)
         return _ready(model)
     folder = Path(path_or_preset)
-    files = _weight_files(folder)
+    state = _read_state_dict(_weight_files(folder), dtype)
+    config = _head_of(config, state, str(folder))
     with torch.device("meta"):
         model = Decoder(config)
-    load_state_dict_checked(model, _read_state_dict(files, dtype), str(folder))
+    load_state_dict_checked(model, state, str(folder))
     # The RoPE table is not in the checkpoint; the meta placeholder is replaced by the real one.
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim)
     model = model.to(device)

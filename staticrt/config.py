@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, as_int
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 LAYER_KINDS = ("full_attention", "sliding_attention")
+# The MLP activations model.py implements, by transformers' names: silu (and its alias swish), and
+# the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
+SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,13 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ConfigError(f"model family {self.family!r} is not supported; staticrt runs {', '.join(FAMILIES)}")
+        for name in SIZES:
+            object.__setattr__(self, name, as_int(getattr(self, name), name, 1, ConfigError))
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act {self.hidden_act!r} is not implemented; staticrt runs {', '.join(ACTIVATIONS)}, and "
+                "running another activation as one of these would give wrong tokens"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -141,42 +152,57 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
             f"{source}: model_type {family!r} is not supported; staticrt runs {', '.join(FAMILIES)} checkpoints"
         )
     try:
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        layers = int(cfg["num_hidden_layers"])
-        vocab = int(cfg["vocab_size"])
-        intermediate = int(cfg["intermediate_size"])
-    except KeyError as missing:
-        raise ConfigError(f"{source}: required field {missing} is missing") from None
+        return _config_from_hf(family, cfg, source)
+    except ConfigError as err:
+        message = str(err)
+        raise ConfigError(message if message.startswith(source) else f"{source}: {message}") from None
+    except (TypeError, ValueError) as err:  # a field of the wrong JSON type (a string for a number, ...)
+        raise ConfigError(f"{source}: a field has a value of the wrong type ({err}); restore config.json") from None
+
+
+def _size(cfg: dict[str, Any], name: str, default: int | None = None) -> int:
+    """A required (or defaulted) positive integer field of config.json, named as config.json names it."""
+    if cfg.get(name) is None:
+        if default is None:
+            raise ConfigError(f"required field {name} is missing")
+        return default
+    return as_int(cfg[name], f"field {name}", 1, ConfigError)
+
+
+def _config_from_hf(family: str, cfg: dict[str, Any], source: str) -> ModelConfig:
+    hidden, heads = _size(cfg, "hidden_size"), _size(cfg, "num_attention_heads")
+    layers = _size(cfg, "num_hidden_layers")
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = tuple(int(t) for t in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     is_gemma = family == "gemma2"
     layer_types = _layer_types_from_hf(family, cfg, layers)
     uses_window = "sliding_attention" in layer_types
+    # transformers' defaults: Gemma2 names it hidden_activation (gelu, tanh form), the others hidden_act (silu)
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if is_gemma else "silu")
     return ModelConfig(
         family=family,
-        vocab_size=vocab,
+        vocab_size=_size(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=intermediate,
+        intermediate_size=_size(cfg, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=_size(cfg, "num_key_value_heads", heads),
+        head_dim=_size(cfg, "head_dim", hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(cfg),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        max_position_embeddings=_size(cfg, "max_position_embeddings", 8192),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         qkv_bias=family == "qwen2",
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+        hidden_act=activation,
         norm_offset=1.0 if is_gemma else 0.0,
         scale_embeddings=is_gemma,
         sandwich_norms=is_gemma,
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if is_gemma else None,
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") if is_gemma else None,
         final_logit_softcapping=cfg.get("final_logit_softcapping") if is_gemma else None,
-        sliding_window=int(cfg["sliding_window"]) if uses_window else None,
+        sliding_window=_size(cfg, "sliding_window") if uses_window else None,
         layer_types=layer_types,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -237,4 +263,10 @@ def load_hf_config(folder: Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{folder}: no config.json; a Hugging Face checkpoint folder needs one")
-    return config_from_hf(json.loads(path.read_text()), source=str(path))
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}); restore the checkpoint's config.json") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object; restore its config.json")
+    return config_from_hf(cfg, source=str(path))
