@@ -1,10 +1,18 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests: "ci" (the default) is derandomised and takes seconds; STATICRT_HYPOTHESIS=long
+# searches thousands of examples a test.
+settings.register_profile("ci", max_examples=40, derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=3000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("STATICRT_HYPOTHESIS", "ci"))
 
 sys.path.insert(0, str(Path(__file__).parent))
 
