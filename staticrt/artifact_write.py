@@ -79,7 +79,7 @@ def write_artifact(target: Path, build: Callable[[Path], dict[str, Any]]) -> Pat
                 "files": {p.relative_to(work).as_posix(): sha256(p) for p in files},
             }
             (work / MANIFEST).write_text(json.dumps(seal(manifest), indent=2) + "\n")
-            _apply_umask(work)
+            apply_umask(work)
             _swap_into_place(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -130,7 +130,7 @@ def _terminate_raises() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _apply_umask(folder: Path) -> None:
+def apply_umask(folder: Path) -> None:
     """mkdtemp makes 0700 folders and some writers 0600 files; an artifact is shared like any output."""
     umask = os.umask(0)
     os.umask(umask)

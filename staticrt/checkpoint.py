@@ -118,7 +118,20 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
         return PRESETS[name]
     if not Path(path_or_preset).is_dir():
         raise CheckpointError(f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
-    return load_hf_config(Path(path_or_preset))
+    config = load_hf_config(Path(path_or_preset))
+    eos = _generation_eos(Path(path_or_preset) / "generation_config.json")
+    return dataclasses.replace(config, eos_token_ids=eos) if eos else config
+
+
+def _generation_eos(path: Path) -> tuple[int, ...]:
+    """generation_config.json's eos ids (what transformers' generate stops on), () when it names none."""
+    if not path.is_file():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    except (ValueError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{path}: eos_token_id is not an id or a list of ids ({err}); restore the file") from None
 
 
 def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> Decoder:
@@ -140,7 +153,7 @@ def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.floa
     # The RoPE table is not in the checkpoint; the meta placeholder is replaced by the real one.
     model.inv_freq = inverse_frequencies(config.rope, config.head_dim)
     model = model.to(device)
-    model.tokenizer = load_tokenizer(folder / "tokenizer.json")
+    model.tokenizer = load_tokenizer(folder)
     model.source = str(folder)
     return _ready(model)
 

@@ -1,4 +1,4 @@
-"""staticrt command line: demo | run | export | bench | inspect.
+"""staticrt command line: demo | run | export | convert | bench | inspect.
 
 Importing this module imports no torch: `staticrt run ARTIFACT --backend onnx` deploys without it.
 Each command imports what it needs when it runs.
@@ -130,11 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="one chat turn: MESSAGE as the user's, through the checkpoint's chat template (with --system)",
+    )
+    src.add_argument(
         "--prompt-ids",
         type=_prompt_ids,
         action="append",
         help="token ids of one row, comma-separated; repeat for a batch",
     )
+    run.add_argument("--system", default=None, help="with --chat: the system prompt (default: the template's)")
     run.add_argument("--max-new-tokens", type=POSITIVE, default=MAX_NEW_TOKENS)
     run.add_argument(
         "--threads",
@@ -163,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--json", action="store_true", help='print {"tokens": [[...] per row], ...} as one JSON object')
     _add_export_parser(sub)
+
+    convert = sub.add_parser(
+        "convert",
+        help="convert a GGUF file to a checkpoint folder (needs the gguf extra)",
+        epilog="example:\n  staticrt convert SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2\n"
+        "  staticrt run --model models/smollm2 --chat 'What is the capital of France?'",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    convert.add_argument("gguf", type=Path, help="the .gguf file (llama, mistral, qwen2 or gemma2; any weight type)")
+    convert.add_argument("out", type=Path, help="the checkpoint folder to write (new, or empty)")
 
     bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
     bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")
@@ -253,6 +269,7 @@ COMMANDS = {
     "export": ("staticrt.commands.export", "cmd_export"),
     "bench": ("staticrt.bench.command", "cmd_bench"),
     "inspect": ("staticrt.commands.inspect", "cmd_inspect"),
+    "convert": ("staticrt.commands.convert", "cmd_convert"),
 }
 
 

@@ -18,6 +18,8 @@ TORCH_FREE = (
     "staticrt.artifact",
     "staticrt.artifact_write",
     "staticrt.host_sampling",
+    "staticrt.tokenizer",
+    "staticrt.chat_template",
     "staticrt.runtime",
     "staticrt.backends.onnx",
     "staticrt.cli",

@@ -25,7 +25,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     model = load_model(recipe.model, dtype=recipe.dtype)
 
     def copy_tokenizer(folder: Path) -> None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
+        """What a client needs beside the programs: the tokenizer, its chat template, the eos ids."""
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
             source = Path(recipe.model) / name
             if source.is_file():
                 (folder / name).write_bytes(source.read_bytes())

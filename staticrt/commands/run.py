@@ -12,14 +12,19 @@ from ..errors import GenerationError
 
 
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
-    if args.prompt is None:
+    if args.system is not None and args.chat is None:
+        raise GenerationError("--system is the system prompt of a chat turn; give the user's message with --chat")
+    if args.prompt is None and args.chat is None:
         return args.prompt_ids
     if tokenizer is None:
         raise GenerationError(
-            f"--prompt needs a tokenizer.json in {args.artifact or args.model}, which has "
-            "none; pass token ids with --prompt-ids 1,2,3 instead"
+            f"--{'prompt' if args.chat is None else 'chat'} needs a tokenizer.json in {args.artifact or args.model}, "
+            "which has none; pass token ids with --prompt-ids 1,2,3 instead"
         )
-    return [tokenizer.encode(args.prompt).ids]
+    if args.chat is None:
+        return [tokenizer.encode(args.prompt)]
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return [tokenizer.apply_chat_template([*system, {"role": "user", "content": args.chat}])]
 
 
 def _artifact_run(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]]]:
@@ -29,7 +34,7 @@ def _artifact_run(args: argparse.Namespace) -> tuple[Any, Any, list[list[int]]]:
     if args.model:
         raise GenerationError("give an artifact folder or --model, not both")
     gen = load_artifact(args.artifact, backend=args.backend, threads=args.threads)
-    tokenizer = load_tokenizer(args.artifact / "tokenizer.json")
+    tokenizer = load_tokenizer(args.artifact)
     return gen, tokenizer, _prompts(args, tokenizer)
 
 
@@ -63,12 +68,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     gen, tokenizer, prompts = (_artifact_run if args.artifact is not None else _model_run)(args)
 
+    texts = [tokenizer.stream() for _ in prompts] if tokenizer is not None else None
+
+    def show(row: int, text: str) -> None:
+        if text and not args.json:
+            sys.stdout.write(text if len(prompts) == 1 else f"[{row}]{text} ")
+            sys.stdout.flush()
+
     def stream(row: int, token: int) -> None:
-        if args.json:
-            return
-        text = tokenizer.decode([token]) if tokenizer is not None else f" {token}"
-        sys.stdout.write(text if len(prompts) == 1 else f"[{row}]{text} ")
-        sys.stdout.flush()
+        show(row, texts[row].push(token) if texts is not None else f" {token}")  # whole characters only
 
     tokens = gen.generate(
         prompts,
@@ -94,7 +102,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             out["text"] = [tokenizer.decode(t) for t in tokens]
         print(json.dumps(out, allow_nan=False))
     else:
+        for row, text in enumerate(texts or []):
+            show(row, text.flush())
         sys.stdout.write("\n")
+        sys.stdout.flush()  # before the timings, which go to stderr
         decode = stats.decode_ms_per_token
         console.print(
             f"prefill {1000 * stats.prefill_s:.1f} ms, "

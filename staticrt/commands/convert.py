@@ -1,0 +1,25 @@
+"""`staticrt convert FILE.gguf OUT/`: a GGUF file to a checkpoint folder every command loads."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..console import console
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..convert import convert_gguf
+
+    start = time.perf_counter()
+    with console.status(f"converting {args.gguf}") as status:
+
+        def stage(what: str) -> None:
+            status.update(f"converting {args.gguf}: {what}")
+            console.print(f"  {what} ({time.perf_counter() - start:.1f} s)")
+
+        out = convert_gguf(args.gguf, args.out, stage)
+    console.print(
+        f"wrote {out} in {time.perf_counter() - start:.1f} s; chat with it: staticrt run --model {out} --chat 'Hello'"
+    )
+    return 0
