@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError
+from .errors import ArtifactError, read_json_object
 
 SCHEMA_VERSION = 2  # 2: the manifest is sealed (manifest_sha256) and lists every file
 MANIFEST = "manifest.json"
@@ -109,12 +109,7 @@ def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{folder} is not an artifact: {MANIFEST} is missing; export one with `staticrt export`")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ArtifactError(f"{path} is not valid JSON ({err}); {REEXPORT}") from None
-    if not isinstance(manifest, dict):
-        raise ArtifactError(f"{path} holds a JSON {type(manifest).__name__}, not an object; {REEXPORT}")
+    manifest = read_json_object(path, ArtifactError, REEXPORT)
     version = manifest.get("schema_version")
     if type(version) is not int or version != SCHEMA_VERSION:
         raise ArtifactError(

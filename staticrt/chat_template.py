@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, GenerationError
+from .errors import CheckpointError, GenerationError, read_json_object
 
 Message = dict[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
 
@@ -39,13 +39,7 @@ def read_tokenizer_config(folder: Path) -> dict[str, Any]:
     path = folder / "tokenizer_config.json"
     if not path.is_file():
         return {}
-    try:
-        config = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}); restore the checkpoint's file") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, not an object; restore it")
-    return config
+    return read_json_object(path, CheckpointError, "restore the checkpoint's tokenizer_config.json")
 
 
 @lru_cache(maxsize=16)

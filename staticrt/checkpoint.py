@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig, load_hf_config
 from .dtypes import resolve_dtype
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line, read_json_object
 from .model import Decoder, init_random, use_column_major_weights
 from .presets import PRESETS
 from .rope import inverse_frequencies
@@ -64,7 +64,7 @@ def _read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.T
                     name = key.removeprefix("model.")
                     state[name] = f.get_tensor(key).to(dtype)
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            reason = first_line(err)
             raise CheckpointError(
                 f"{path} cannot be read as safetensors ({reason}); the file is truncated or corrupt: download it again"
             ) from None
@@ -127,10 +127,10 @@ def _generation_eos(path: Path) -> tuple[int, ...]:
     """generation_config.json's eos ids (what transformers' generate stops on), () when it names none."""
     if not path.is_file():
         return ()
+    eos = read_json_object(path, CheckpointError, "restore the checkpoint's generation_config.json").get("eos_token_id")
     try:
-        eos = json.loads(path.read_text()).get("eos_token_id")
         return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-    except (ValueError, TypeError, AttributeError) as err:
+    except (ValueError, TypeError) as err:
         raise CheckpointError(f"{path}: eos_token_id is not an id or a list of ids ({err}); restore the file") from None
 
 

@@ -7,12 +7,11 @@ presets (gpt-fast style), so the model code never looks at a raw config dict.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, as_int
+from .errors import ConfigError, as_int, read_json_object
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -263,10 +262,4 @@ def load_hf_config(folder: Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{folder}: no config.json; a Hugging Face checkpoint folder needs one")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path} is not valid JSON ({err}); restore the checkpoint's config.json") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{path} holds a JSON {type(cfg).__name__}, not an object; restore its config.json")
-    return config_from_hf(cfg, source=str(path))
+    return config_from_hf(read_json_object(path, ConfigError, "restore its config.json"), source=str(path))

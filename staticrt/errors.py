@@ -7,9 +7,11 @@ imports torch or numpy: the ONNX deploy path raises these too.
 
 from __future__ import annotations
 
+import json
 import numbers
 import operator
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -39,6 +41,23 @@ class ArtifactError(StaticrtError):
 
 class BenchError(StaticrtError):
     """A benchmark that cannot run as asked, naming the option."""
+
+
+def first_line(err: BaseException) -> str:
+    """What a library's exception says, in one line (its type where it says nothing), for our message."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def read_json_object(path: Path, error: type[StaticrtError], way_out: str) -> dict[str, Any]:
+    """The JSON object in `path` (config.json, a manifest, ...), or `error` naming the file and `way_out`."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{path} is not valid JSON ({err}); {way_out}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} holds a JSON {type(data).__name__}, not an object; {way_out}")
+    return data
 
 
 def as_int(value: Any, name: str, minimum: int | None = None, error: type[StaticrtError] = GenerationError) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat_template import Message, read_chat_template, read_tokenizer_config, render_chat
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -83,7 +83,7 @@ def load_tokenizer(folder: Path) -> Tokenizer | None:
     try:
         backend = Backend.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for any parse error
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise CheckpointError(
             f"{path} cannot be read by the tokenizers library ({reason}); restore the checkpoint's tokenizer.json"
         ) from None

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArtifactError, check_positions
+from ..errors import ArtifactError, check_positions, first_line
 from ..generate import SamplingParams
 from ..host_sampling import greedy, sample
 from .artifact_base import ArtifactBackend
@@ -37,7 +37,7 @@ def _session(path: Path, section: dict[str, Any], threads: int | None, device: s
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types, by status
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise ArtifactError(
             f"{path}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
             f"{section['ir_version']}): {reason}; install an onnxruntime-gpu that runs opset {section['opset']} or "
