@@ -1,12 +1,13 @@
-"""Writing an artifact folder so that nothing is lost whatever happens.
+"""Writing an artifact folder (or a converted checkpoint) so that nothing is lost whatever happens.
 
 The target is checked before any work: an existing path is replaced only when it is an artifact
-folder holding nothing its manifest does not list (or an empty folder). The artifact is built in
-a hidden `.NAME.PID.XXXX.partial` folder beside the target, hashed, sealed, given the permissions
-the umask asks for, and swapped into place in one atomic rename (Linux `renameat2` exchange; two
-renames elsewhere), so the old artifact stays whole until the new one is. A failure or SIGTERM
-removes the partial folder; one left by a killed export (SIGKILL) is removed by the next export
-of the same target, once its process is gone. Imports no torch.
+folder holding nothing its manifest does not list (or an empty folder). `write_folder` builds in
+a hidden `.NAME.<pid>.<random>.partial` folder beside the target, gives it the permissions the
+umask asks for, and swaps it into place in one atomic rename (Linux `renameat2` exchange; two
+renames elsewhere), so the old folder stays whole until the new one is. A failure or SIGTERM
+removes the partial folder; one left by a killed process (SIGKILL) is removed by the next write
+of the same target, once that process is gone. `write_artifact` adds the hashed, sealed manifest.
+Imports no torch.
 """
 
 from __future__ import annotations
@@ -57,34 +58,43 @@ def check_target(target: Path) -> None:
         )
 
 
-def write_artifact(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
-    """Run `build(folder)`, which writes the artifact's files into `folder` and returns the
-    manifest's fields; hash every file, write the sealed manifest, and swap the folder into `target`.
+def write_folder(target: Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(folder)`, which writes the files into `folder`, and swap the folder into `target`.
 
     Nothing appears at `target` unless `build` finishes; on any failure (SIGTERM included) the
-    partial folder is removed and the error propagates.
+    partial folder is removed and the error propagates. The caller has checked `target`.
     """
     target = Path(target)
-    check_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(target)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
     try:
         with _terminate_raises():
-            fields = build(work)
-            files = sorted(p for p in work.rglob("*") if p.is_file())
-            manifest = {
-                "schema_version": SCHEMA_VERSION,
-                **fields,
-                "files": {p.relative_to(work).as_posix(): sha256(p) for p in files},
-            }
-            (work / MANIFEST).write_text(json.dumps(seal(manifest), indent=2) + "\n")
-            apply_umask(work)
+            build(work)
+            _apply_umask(work)
             _swap_into_place(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     return target
+
+
+def write_artifact(target: Path, build: Callable[[Path], dict[str, Any]]) -> Path:
+    """Check `target`, then run `build(folder)`, which writes the artifact's files into `folder` and
+    returns the manifest's fields; hash every file and write the sealed manifest (`write_folder`)."""
+    check_target(target)
+
+    def build_sealed(work: Path) -> None:
+        fields = build(work)
+        files = sorted(p for p in work.rglob("*") if p.is_file())
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            **fields,
+            "files": {p.relative_to(work).as_posix(): sha256(p) for p in files},
+        }
+        (work / MANIFEST).write_text(json.dumps(seal(manifest), indent=2) + "\n")
+
+    return write_folder(target, build_sealed)
 
 
 def remove_stale(target: Path) -> None:
@@ -130,7 +140,7 @@ def _terminate_raises() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def apply_umask(folder: Path) -> None:
+def _apply_umask(folder: Path) -> None:
     """mkdtemp makes 0700 folders and some writers 0600 files; an artifact is shared like any output."""
     umask = os.umask(0)
     os.umask(umask)

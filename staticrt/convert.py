@@ -4,19 +4,17 @@ transformers' GGUF loader is the well-kept path: it reads the metadata into a co
 llama.cpp's tensor names to transformers' (undoing the Q/K row permutation llama.cpp applies),
 dequantizes every weight type the `gguf` library knows (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K,
 Q6_K, ...) and rebuilds the tokenizer with its chat template. staticrt writes the result as plain
-safetensors, since transformers refuses to save a model it loaded from GGUF. The folder is built
-beside the target and renamed into place, so a failed conversion leaves nothing. Needs the `gguf`
-extra (gguf, transformers, accelerate).
+safetensors, since transformers refuses to save a model it loaded from GGUF. The folder is written
+as an artifact is (`write_folder`): beside the target, swapped in whole, removed on failure or
+SIGTERM. Needs the `gguf` extra (gguf, transformers, accelerate).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .artifact_write import apply_umask
+from .artifact_write import write_folder
 from .errors import CheckpointError
 
 EXTRA = "pip install 'staticrt[gguf]'"
@@ -47,10 +45,9 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
     import transformers
     from safetensors.torch import save_file
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
-        folder, name = str(source.parent), source.name
+    folder, name = str(source.parent), source.name
+
+    def build(work: Path) -> None:
         on_stage("tokenizer and chat template")
         transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(work)
         on_stage("dequantizing the weights")
@@ -64,11 +61,5 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
             del model.config.quantization_config  # the weights written are plain float32
         model.config.save_pretrained(work)
         model.generation_config.save_pretrained(work)
-        apply_umask(work)
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        work.rename(target)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return target
+
+    return write_folder(target, build)

@@ -13,7 +13,7 @@ import torch
 
 from .. import __version__
 from ..artifact import FORMATS
-from ..artifact_write import check_target, write_artifact
+from ..artifact_write import write_artifact
 from ..caches import CacheSpec, KVCache, build_cache
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
@@ -39,7 +39,6 @@ def export_artifact(
     `fields` are merged into the manifest (e.g. the recipe); `extra_files(folder)` may add files
     (the tokenizer) before the hashes are taken. Every input is checked before anything is built.
     """
-    check_target(target)
     cache = _export_cache(model, spec, buckets, formats)
     param = next(model.parameters())
 
