@@ -15,7 +15,8 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig, load_hf_config
 from .dtypes import resolve_dtype
-from .errors import CheckpointError, first_line, read_json_object
+from .errors import CheckpointError, first_line
+from .generation_config import read_generation_defaults
 from .model import Decoder, init_random, use_column_major_weights
 from .presets import PRESETS
 from .rope import inverse_frequencies
@@ -119,19 +120,8 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
     if not Path(path_or_preset).is_dir():
         raise CheckpointError(f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
     config = load_hf_config(Path(path_or_preset))
-    eos = _generation_eos(Path(path_or_preset) / "generation_config.json")
+    eos = read_generation_defaults(path_or_preset).eos_token_ids
     return dataclasses.replace(config, eos_token_ids=eos) if eos else config
-
-
-def _generation_eos(path: Path) -> tuple[int, ...]:
-    """generation_config.json's eos ids (what transformers' generate stops on), () when it names none."""
-    if not path.is_file():
-        return ()
-    eos = read_json_object(path, CheckpointError, "restore the checkpoint's generation_config.json").get("eos_token_id")
-    try:
-        return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-    except (ValueError, TypeError) as err:
-        raise CheckpointError(f"{path}: eos_token_id is not an id or a list of ids ({err}); restore the file") from None
 
 
 def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> Decoder:

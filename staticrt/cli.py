@@ -1,4 +1,4 @@
-"""staticrt command line: demo | run | export | convert | bench | inspect.
+"""staticrt command line: demo | run | chat | export | convert | bench | inspect.
 
 Importing this module imports no torch: `staticrt run ARTIFACT --backend onnx` deploys without it.
 Each command imports what it needs when it runs.
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from .artifact import FORMATS
-from .console import console
+from .cli_args import POSITIVE, Parser, add_generation_args, add_model_args, prompt_ids
+from .console import console, show_log
 from .errors import StaticrtError
 from .generate import MAX_NEW_TOKENS
 
@@ -24,6 +24,8 @@ examples:
   staticrt demo
   staticrt run --model tiny-llama --prompt-ids 1,2,3 --prompt-ids 7,8 --max-new-tokens 16 --json
   staticrt run --model ./my-llama --prompt "The capital of France is" --backend compiled
+  staticrt convert SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2
+  staticrt chat --model models/smollm2 --system "You are terse."
   staticrt bench --model bench-llama --backends eager,compiled,hf --new-tokens 64 --threads 2 --json bench.json
   staticrt bench --model bench-llama --backends compiled,onnx --threads 2 --json bench-onnx.json
   staticrt bench --backends compiled,hf --window 4096 --prompt-len 4160 --new-tokens 32 --json bench-sliding.json
@@ -42,63 +44,6 @@ def _preset_names() -> str:
     from .presets import PRESETS
 
     return ", ".join(PRESETS)
-
-
-def _prompt_ids(text: str) -> list[int]:
-    """Comma-separated token ids, ASCII digits only: "1 2 3", "1,,2", "1_000" and full-width
-    digits are refused rather than run as some other prompt."""
-    if not re.fullmatch(r"\s*[0-9]+(\s*,\s*[0-9]+)*\s*", text):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not comma-separated token ids; write them like 1,2,3 (digits 0-9, one comma between ids)"
-        )
-    return [int(t) for t in text.split(",")]
-
-
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of ASCII digits, at least `minimum`."""
-
-    def parse(text: str) -> int:
-        if not re.fullmatch(r"\s*-?[0-9]+\s*", text) or int(text) < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= {minimum}")
-        return int(text)
-
-    return parse
-
-
-POSITIVE, NON_NEGATIVE = _at_least(1), _at_least(0)
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with a usage error in one line (the command, the problem, where help is)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
-
-
-def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", required=required, help="preset name or Hugging Face checkpoint folder")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    p.add_argument(
-        "--cache",
-        default="auto",
-        help="KV cache: static (every position), sliding (every layer a rotating buffer of the "
-        "window; generation never runs out), hybrid (rotating buffers for sliding-window "
-        "layers only, as in Gemma2), offloaded (every layer's K/V in host memory, two layers' "
-        "worth on the device), offloaded-hybrid (hybrid with the global layers offloaded), "
-        "auto (default: what the model's config implies, static when the window is no "
-        "shorter than --max-cache-len)",
-    )
-    p.add_argument(
-        "--max-cache-len",
-        type=POSITIVE,
-        default=None,
-        help="positions a static layer holds (default: run fits prompt + new tokens; export and "
-        "inspect take the model's context, at most 1024; never below the window for sliding and "
-        "hybrid)",
-    )
-    p.add_argument(
-        "--window", type=POSITIVE, default=None, help="slots of a rotating layer (default: the model's sliding_window)"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,13 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Tokens stream to stdout as they are chosen; --json prints one object at the end.",
     )
-    run.add_argument(
-        "artifact",
-        nargs="?",
-        type=Path,
-        help="an artifact folder from `staticrt export` (instead of --model): runs its programs",
-    )
-    _add_model_args(run, required=False)
+    add_generation_args(run)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs the checkpoint's tokenizer.json)")
     src.add_argument(
@@ -136,38 +75,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src.add_argument(
         "--prompt-ids",
-        type=_prompt_ids,
+        type=prompt_ids,
         action="append",
         help="token ids of one row, comma-separated; repeat for a batch",
     )
     run.add_argument("--system", default=None, help="with --chat: the system prompt (default: the template's)")
-    run.add_argument("--max-new-tokens", type=POSITIVE, default=MAX_NEW_TOKENS)
-    run.add_argument(
-        "--threads",
-        type=POSITIVE,
-        default=None,
-        help="CPU threads for torch, or for ONNX Runtime with --backend onnx (default: the library's choice)",
-    )
-    run.add_argument(
-        "--backend",
-        default=None,
-        help="with --model: eager (default) | compiled | cudagraph (CUDA graphs of the compiled step; the "
-        "compiled path on a CPU) | reduce-overhead (torch.compile's own CUDA graphs); with an artifact: aoti "
-        "(AOTInductor packages) | pt2 (torch.export programs) | onnx (ONNX Runtime, no torch), default the "
-        "first it holds",
-    )
-    run.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    run.add_argument("--temperature", type=float, default=1.0)
-    run.add_argument("--top-k", type=NON_NEGATIVE, default=0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=NON_NEGATIVE, default=None)
-    run.add_argument(
-        "--stop-ids",
-        type=_prompt_ids,
-        default=None,
-        help="stop token ids, comma-separated (default: the checkpoint's eos ids)",
-    )
     run.add_argument("--json", action="store_true", help='print {"tokens": [[...] per row], ...} as one JSON object')
+
+    chat = sub.add_parser(
+        "chat",
+        help="talk to a chat model in the terminal, turn after turn",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Each line you type is a user turn; the answer streams back. /reset starts over (keeping\n"
+        "the system prompt), /exit or Ctrl-D ends, Ctrl-C stops an answer. Lines read from a pipe work\n"
+        "the same way, one turn each:\n"
+        "  printf 'What is the capital of France?\\nAnd of Italy?\\n' | staticrt chat --model models/smollm2\n"
+        "The conversation is kept in one cache of --max-cache-len positions (default: the model's\n"
+        "context, at most 1024); /reset when it is full.",
+    )
+    add_generation_args(chat, max_new_tokens=256)
+    chat.add_argument("--system", default=None, help="the system prompt (default: the template's)")
     _add_export_parser(sub)
 
     convert = sub.add_parser(
@@ -226,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
 
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
-    _add_model_args(inspect)
+    add_model_args(inspect)
     inspect.add_argument("--batch-size", type=POSITIVE, default=1)
     return parser
 
@@ -244,11 +171,11 @@ def _add_export_parser(sub: Any) -> None:
         "  staticrt run artifacts/tiny-mistral --backend onnx --prompt-ids 1,2,3   # ONNX Runtime, no torch",
     )
     export.add_argument("recipe", nargs="?", type=Path, help="a recipe, export/NAME.toml (writes artifacts/NAME/)")
-    _add_model_args(export, required=False)
+    add_model_args(export, required=False)
     export.add_argument("--batch-size", type=POSITIVE, default=1)
     export.add_argument(
         "--prefill-buckets",
-        type=_prompt_ids,
+        type=prompt_ids,
         default=None,
         help="prompt widths to export a prefill program for, comma-separated (default: max-cache-len)",
     )
@@ -270,12 +197,14 @@ COMMANDS = {
     "bench": ("staticrt.bench.command", "cmd_bench"),
     "inspect": ("staticrt.commands.inspect", "cmd_inspect"),
     "convert": ("staticrt.commands.convert", "cmd_convert"),
+    "chat": ("staticrt.commands.chat", "cmd_chat"),
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module, name = COMMANDS[args.command]
+    show_log()
     try:
         return getattr(importlib.import_module(module), name)(args)
     except StaticrtError as err:  # a bad request: its message, exit status 2

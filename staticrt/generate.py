@@ -62,6 +62,11 @@ class StepBackend(Protocol):
 
     def reset(self) -> None: ...
 
+    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+        """Build what steps of these widths need before the first one is timed (a compile, a CUDA
+        graph capture), so that compile time is never counted as prefill; the seconds it took. May
+        write anywhere in the cache: it runs before `reset`, when the cache holds nothing live."""
+
     def report(self) -> dict[str, Any]:
         """What a benchmark reads off the backend after its runs (cache bytes, graph GPU time)."""
 
@@ -80,6 +85,7 @@ class StepBackend(Protocol):
 
 @dataclass
 class GenerationStats:
+    compile_s: float = 0.0  # building the graphs this call used first (`StepBackend.prepare`), apart from prefill
     prefill_s: float = 0.0
     decode_s: list[float] = field(default_factory=list)
     bucket: int = 0
@@ -194,6 +200,7 @@ def generate_tokens(
     def uniforms() -> np.ndarray | None:
         return rng.random(batch, dtype=np.float32) if sampling.do_sample else None
 
+    stats.compile_s = backend.prepare((bucket, 1) if max_new_tokens > 1 else (bucket,), sampling.do_sample)
     backend.reset()
     out: list[list[int]] = [[] for _ in rows]
     done = [False] * n_rows

@@ -20,9 +20,11 @@ TORCH_FREE = (
     "staticrt.host_sampling",
     "staticrt.tokenizer",
     "staticrt.chat_template",
+    "staticrt.generation_config",
     "staticrt.runtime",
     "staticrt.backends.onnx",
     "staticrt.cli",
+    "staticrt.cli_args",
 )
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 300, 60
 

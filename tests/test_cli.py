@@ -9,6 +9,7 @@ import sys
 
 from hf_models import hf_greedy
 
+import staticrt
 from staticrt.cli import main
 
 
@@ -37,6 +38,34 @@ def test_run_text_prompt_uses_the_checkpoint_tokenizer(hf_checkpoints, tmp_path,
     expected = hf_greedy(hf_checkpoints["llama"][1], [5, 17, 99], 8)
     assert out["tokens"] == [expected]
     assert out["text"] == [tok.decode(expected)]
+
+
+def test_sampling_defaults_come_from_generation_config_and_flags_override_them(hf_checkpoints, tmp_path, capsys):
+    folder = tmp_path / "sampler"
+    shutil.copytree(hf_checkpoints["llama"][0], folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "top_k": 4, "top_p": 0.8}))
+
+    def cli(*flags: str) -> list[int]:
+        argv = ["run", "--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--do-sample"]
+        assert main([*argv, "--seed", "5", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["tokens"][0]
+
+    gen = staticrt.Generator(staticrt.load_model(folder), max_cache_len=15)
+    stops = gen.backend.eos_token_ids
+
+    def api(**sampling: float) -> list[int]:
+        return gen.generate([[1, 2, 3]], 12, do_sample=True, seed=5, stop_token_ids=stops, **sampling)[0]
+
+    assert cli() == api(temperature=0.3, top_k=4, top_p=0.8) != api()
+    assert cli("--temperature", "1.5", "--top-k", "0") == api(temperature=1.5, top_k=0, top_p=0.8)
+
+
+def test_chat_without_a_tokenizer_names_what_it_needs(capsys):
+    assert main(["chat", "--model", "tiny-llama"]) == 2
+    assert capsys.readouterr().err == (
+        "staticrt chat: chat needs the checkpoint's tokenizer.json and chat template, and tiny-llama has no "
+        "tokenizer.json; use a checkpoint folder (or an artifact exported from one) that has both\n"
+    )
 
 
 def test_run_reports_bad_input_with_exit_code_2(capsys):

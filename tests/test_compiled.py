@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -119,3 +120,33 @@ def test_without_the_private_api_the_backend_warns_once_and_keeps_dynamo(monkeyp
     assert tokens == staticrt.Generator(model, max_batch_size=1, max_cache_len=64).generate(
         [[5, 6, 7]], max_new_tokens=6
     )
+
+
+def test_a_first_compile_is_announced_and_timed_apart_from_prefill(capfd):
+    """`run --backend compiled` says, on stderr, which graph it compiles before it starts and how
+    long it took; the JSON's compile_s holds that time and prefill_ms only the prefill's."""
+    from staticrt.cli import main
+
+    argv = ["run", "--model", "tiny-llama", "--backend", "compiled", "--prompt-ids", "1,2,3", "--json"]
+    assert main([*argv, "--max-new-tokens", "4"]) == 0
+    out, err = capfd.readouterr()  # 3 + 4 positions: the cache and its one bucket are 7 long
+    lines = [line.split(" in ")[0] for line in err.splitlines() if "step graph" in line]
+    assert lines == [
+        "compiling the prefill7_greedy step graph (first use; later generations reuse it) ...",
+        "compiled the prefill7_greedy step graph",
+        "compiling the decode_greedy step graph (first use; later generations reuse it) ...",
+        "compiled the decode_greedy step graph",
+    ]
+    report = json.loads(out)
+    assert report["compile_s"] > report["prefill_ms"] / 1000 > 0
+
+
+def test_graphs_built_once_are_not_compiled_again(tiny):
+    gen = staticrt.Generator(tiny, max_cache_len=64, backend="compiled")
+    gen.generate([[1, 2, 3]], max_new_tokens=3)
+    assert gen.last_stats.compile_s > 0
+    gen.generate([[4, 5]], max_new_tokens=3)
+    assert gen.last_stats.compile_s == 0.0
+    gen.generate([list(range(1, 20))], max_new_tokens=1)  # a new prefill bucket (32), no decode
+    assert gen.last_stats.compile_s > 0
+    assert set(gen.backend._built) == {(16, False), (1, False), (32, False)}

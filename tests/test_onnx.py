@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from genai_runner import genai_greedy
 from hf_models import hf_greedy
 
 import staticrt
@@ -137,14 +138,7 @@ def test_onnxruntime_genai_runs_the_artifact_token_for_token(onnx_artifacts, hf_
     model = og.Model(str(onnx_artifacts[family, cache]))
     reference = eager(hf_checkpoints, family, cache)
     for prompt in prompts():
-        params = og.GeneratorParams(model)
-        params.set_search_options(do_sample=False, max_length=len(prompt) + NEW_TOKENS)
-        generator = og.Generator(model, params)
-        generator.append_tokens(prompt)
-        tokens = []
-        while not generator.is_done():
-            generator.generate_next_token()
-            tokens.append(int(generator.get_next_tokens()[0]))
+        tokens = genai_greedy(og, model, prompt, NEW_TOKENS)
         assert tokens == reference.generate([prompt], max_new_tokens=NEW_TOKENS)[0]
 
 

@@ -5,15 +5,21 @@ on it against transformers loading the same converted folder."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from genai_runner import genai_greedy
 from hf_models import hf_greedy
 
 import staticrt
 from staticrt.cli import main
 
 QUESTION = "What is the capital of France?"
+NEW_TOKENS = 64
 CONVERSATIONS = {
     "single": [{"role": "user", "content": QUESTION}],
     "system": [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": QUESTION}],
@@ -45,6 +51,27 @@ def hf_smollm2(smollm2):
     return transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval(), tokenizer
 
 
+@pytest.fixture(scope="session")
+def chat_prompt(smollm2) -> list[int]:
+    return staticrt.load_model(smollm2).tokenizer.apply_chat_template(CONVERSATIONS["system"])
+
+
+@pytest.fixture(scope="session")
+def hf_answer(hf_smollm2, chat_prompt) -> list[int]:
+    """transformers' 64 greedy tokens for the system + user chat prompt: the reference every backend must give."""
+    return hf_greedy(hf_smollm2[0], chat_prompt, NEW_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(smollm2, chat_prompt, tmp_path_factory) -> Path:
+    """The real model exported once, as torch.export programs and an ONNX graph, sized for the chat prompt."""
+    out = tmp_path_factory.mktemp("artifact") / "smollm2"
+    argv = ["export", "--model", str(smollm2), "--format", "pt2,onnx", "--out", str(out)]
+    assert main([*argv, "--max-cache-len", "96", "--prefill-buckets", "32"]) == 0
+    assert len(chat_prompt) + NEW_TOKENS <= 96 and len(chat_prompt) <= 32
+    return out
+
+
 @pytest.mark.parametrize("name", sorted(CONVERSATIONS))
 def test_chat_template_ids_equal_transformers(smollm2, hf_smollm2, name):
     ours = staticrt.load_model(smollm2).tokenizer.apply_chat_template(CONVERSATIONS[name])
@@ -52,12 +79,82 @@ def test_chat_template_ids_equal_transformers(smollm2, hf_smollm2, name):
     assert ours == list(theirs if isinstance(theirs, list) else theirs["input_ids"])  # v5: a BatchEncoding
 
 
-def test_converted_model_gives_transformers_greedy_tokens_for_a_chat_prompt(smollm2, hf_smollm2):
+def test_converted_model_gives_transformers_greedy_tokens_for_a_chat_prompt(smollm2, chat_prompt, hf_answer):
     model = staticrt.load_model(smollm2)
-    prompt = model.tokenizer.apply_chat_template(CONVERSATIONS["system"])
-    gen = staticrt.Generator(model, max_cache_len=len(prompt) + 64)
-    assert gen.generate([prompt], 64, stop_token_ids=[])[0] == hf_greedy(hf_smollm2[0], prompt, 64)
+    gen = staticrt.Generator(model, max_cache_len=len(chat_prompt) + NEW_TOKENS)
+    assert gen.generate([chat_prompt], NEW_TOKENS, stop_token_ids=[])[0] == hf_answer
     assert model.config.eos_token_ids == (2,)  # <|im_end|>, from generation_config.json
+
+
+def test_compiled_real_model_gives_transformers_tokens_and_says_it_is_compiling(
+    smollm2, chat_prompt, hf_answer, caplog
+):
+    """The one compile of the 30-layer model in the suite (minutes on 2 cores, cold): announced in
+    the log before it starts, and its time kept apart from the prefill's."""
+    model = staticrt.load_model(smollm2)
+    gen = staticrt.Generator(model, max_cache_len=96, backend="compiled", prefill_buckets=[32])
+    with caplog.at_level(logging.INFO, logger="staticrt"):
+        assert gen.generate([chat_prompt], NEW_TOKENS, stop_token_ids=[])[0] == hf_answer
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [
+        "compiling the prefill32_greedy step graph (first use; later generations reuse it) ...",
+        "compiled the prefill32_greedy step graph",
+        "compiling the decode_greedy step graph (first use; later generations reuse it) ...",
+        "compiled the decode_greedy step graph",
+    ]
+    first = gen.last_stats
+    assert first.compile_s > 10 * first.prefill_s > 0
+    gen.generate([chat_prompt], 2, stop_token_ids=[])
+    assert gen.last_stats.compile_s == 0.0
+
+
+@pytest.mark.parametrize("backend", ["pt2", "onnx"])
+def test_exported_real_model_gives_transformers_tokens(smollm2_artifact, chat_prompt, hf_answer, backend):
+    gen = staticrt.load_artifact(smollm2_artifact, backend=backend)
+    assert gen.generate([chat_prompt], NEW_TOKENS, stop_token_ids=[])[0] == hf_answer
+
+
+def test_onnxruntime_genai_chats_with_the_onnx_artifact(smollm2_artifact, chat_prompt, hf_smollm2, hf_answer):
+    """onnxruntime-genai renders the chat with the template the artifact carries, and its greedy
+    answer is transformers' text."""
+    og = pytest.importorskip("onnxruntime_genai", reason="install onnxruntime-genai (--no-deps) as the README does")
+    model = og.Model(str(smollm2_artifact))
+    tokenizer = og.Tokenizer(model)
+    text = tokenizer.apply_chat_template(json.dumps(CONVERSATIONS["system"]), add_generation_prompt=True)
+    ids = [int(t) for t in tokenizer.encode(text)]
+    assert ids == chat_prompt
+    answer = genai_greedy(og, model, ids, NEW_TOKENS)
+    eos = hf_answer.index(2) + 1 if 2 in hf_answer else NEW_TOKENS  # genai stops at the eos
+    assert answer == hf_answer[:eos]
+    assert tokenizer.decode(answer) == hf_smollm2[1].decode(hf_answer[:eos], skip_special_tokens=True)
+
+
+def test_chat_keeps_the_conversation_across_turns(smollm2, hf_smollm2):
+    """Two turns through stdin, the second about the first: each answer is transformers' greedy
+    answer to the whole conversation so far, the first answer included in the second prompt."""
+    questions = [QUESTION, "What is it famous for?"]
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    command = [sys.executable, "-m", "staticrt.cli", "chat", "--model", str(smollm2), "--max-new-tokens", "40"]
+    done = subprocess.run(
+        [*command, "--system", system["content"]],
+        input="".join(q + "\n" for q in questions),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    hf_model, hf_tokenizer = hf_smollm2
+    conversation, expected = [system], ""
+    for question in questions:
+        conversation.append({"role": "user", "content": question})
+        prompt = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+        tokens = hf_greedy(hf_model, prompt, 40)
+        tokens = tokens[: tokens.index(2) + 1] if 2 in tokens else tokens
+        answer = hf_tokenizer.decode(tokens, skip_special_tokens=True)
+        conversation.append({"role": "assistant", "content": answer})
+        expected += answer + "\n"
+    assert done.stdout == expected
+    assert "Paris" in expected.splitlines()[0]
 
 
 def test_run_chat_answers_the_question(smollm2, capfd):
@@ -87,13 +184,11 @@ def test_a_generated_japanese_answer_streams_as_valid_text(smollm2):
     assert not any("\ufffd" in piece for piece in pieces[:-1])
 
 
-def test_chat_without_a_template_is_refused(hf_checkpoints, tmp_path):
+def test_chat_without_a_template_is_refused(tmp_path):
     from tokenizers import Tokenizer, models
 
-    folder = Path(hf_checkpoints["llama"][0])
     Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
     from staticrt.tokenizer import load_tokenizer
 
     with pytest.raises(staticrt.CheckpointError, match=r"has no chat template .*chat needs one"):
         load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
-    assert folder.is_dir()

@@ -4,6 +4,7 @@ without the format refused, and (by each backend) held against the shapes it act
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,7 @@ class ArtifactBackend:
     def report(self) -> dict[str, Any]:
         """Nothing beyond the timings: the runtime owns the artifact's memory."""
         return {}
+
+    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+        """Nothing to build: the programs were compiled at export and loaded with the artifact."""
+        return 0.0

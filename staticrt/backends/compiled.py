@@ -8,7 +8,10 @@ eager, and `error_on_recompile` can prove that a generation never recompiles.
 
 from __future__ import annotations
 
+import logging
+import time
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +20,13 @@ import torch
 from ..generate import SamplingParams
 from .eager import EagerBackend, StepFn, run_step
 from .guards import code_past_guards
+
+log = logging.getLogger("staticrt")
+
+
+def graph_name(seq_len: int, do_sample: bool) -> str:
+    """What a graph is called in logs and in dynamo's code names: decode_greedy, prefill64_sample, ..."""
+    return f"{'decode' if seq_len == 1 else f'prefill{seq_len}'}_{'sample' if do_sample else 'greedy'}"
 
 
 def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
@@ -27,13 +37,16 @@ def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
 class CompiledBackend(EagerBackend):
     name = "compiled"
     # How torch.compile is asked. The C++ wrapper calls the step's GEMMs and fused kernels without
-    # a Python round trip each, the CPU's fastest path (docs/measurements.md).
-    compile_options: dict[str, Any] = {"options": {"cpp_wrapper": True}}
+    # a Python round trip each, the CPU's fastest path; built apart from the kernels, the wrapper
+    # (one long function over every layer) compiles at -O1, which halves a first compile of a
+    # 30-layer model at no measurable decode cost (docs/measurements.md).
+    compile_options: dict[str, Any] = {"options": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._graphs: dict[tuple[int, bool], StepFn] = {}
         self._checked: dict[tuple[int, bool], StepFn] = {}  # what runs a graph whose guards passed this generation
+        self._built: set[tuple[int, bool]] = set()  # graphs that have run once: compiled (and captured)
 
     def reset(self) -> None:
         super().reset()
@@ -56,6 +69,28 @@ class CompiledBackend(EagerBackend):
             self._checked[key] = self.past_guards(self._graphs[key])
         return next_ids
 
+    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+        """Compile (and, on CUDA, capture) each graph a generation will use for the first time, by
+        running it once on dummy inputs (zeros at position 0: it writes only K/V that `reset` and
+        the prefill replace), and say so in the log: a 30-layer model takes minutes on a CPU."""
+        spent, batch = 0.0, self.batch_size
+        for width in widths:
+            if (width, do_sample) in self._built:
+                continue
+            name, began = graph_name(width, do_sample), time.perf_counter()
+            log.info("compiling the %s step graph (first use; later generations reuse it) ...", name)
+            self.step(
+                np.zeros((batch, width), dtype=np.int64),
+                np.zeros(batch, dtype=np.int64),
+                np.ones(batch, dtype=np.int64),
+                SamplingParams(do_sample),
+                np.zeros(batch, dtype=np.float32) if do_sample else None,
+            )
+            self._built.add((width, do_sample))
+            spent += time.perf_counter() - began
+            log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
+        return spent
+
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code
         called directly, or the graph itself where torch offers no such code."""
@@ -66,9 +101,11 @@ class CompiledBackend(EagerBackend):
         if key in self._checked:
             return self._checked[key]
         if key not in self._graphs:
-            tag = f"{'decode' if seq_len == 1 else f'prefill{seq_len}'}_{'sample' if do_sample else 'greedy'}"
             compiled = torch.compile(
-                _own_code_copy(run_step, tag), fullgraph=True, dynamic=False, **self.compile_options
+                _own_code_copy(run_step, graph_name(seq_len, do_sample)),
+                fullgraph=True,
+                dynamic=False,
+                **self.compile_options,
             )
             self._graphs[key] = compiled
         return self._graphs[key]

@@ -110,6 +110,10 @@ class EagerBackend:
     def reset(self) -> None:
         self.cache.reset()
 
+    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+        """Nothing to build: eager runs the step as it is."""
+        return 0.0
+
     def remedy(self, limit: str) -> str:
         """The Generator's own argument raises each limit."""
         return f"build the Generator with a larger {'bucket in ' if limit == 'prefill_buckets' else ''}{limit}"

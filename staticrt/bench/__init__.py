@@ -139,6 +139,7 @@ def result(
         "decode_ms_per_token": 1000 * step_s,
         "tokens_per_s": request.batch_size / step_s,
         "first_run_s": contender.warmup_s,
+        "compile_s": contender.compile_s,
         "tokens": contender.tokens,
         **contender.report(),
     }

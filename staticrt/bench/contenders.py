@@ -23,12 +23,15 @@ from ..runtime import BACKENDS, Generator
 @dataclasses.dataclass
 class Contender:
     """`run` times one generation and returns (prefill seconds, median decode seconds a step);
-    `report` is what the backend tells of itself once timing is over (cache bytes, GPU time)."""
+    `report` is what the backend tells of itself once timing is over (cache bytes, GPU time).
+    `compile_s` is the warm-up's compile time where the contender measures it apart (None: it
+    cannot, as transformers' `generate` compiles inside its first call)."""
 
     run: Callable[[], tuple[float, float]]
     tokens: list[list[int]]
     warmup_s: float
     report: Callable[[], dict[str, Any]] = dict
+    compile_s: float | None = None
 
 
 def staticrt_contender(
@@ -63,7 +66,7 @@ def staticrt_contender(
         gen.generate(prompts, max_new_tokens=new_tokens)
         return gen.last_stats.prefill_s, statistics.median(gen.last_stats.decode_s)
 
-    return Contender(run, tokens, warmup_s, gen.backend.report)
+    return Contender(run, tokens, warmup_s, gen.backend.report, gen.last_stats.compile_s)
 
 
 def _onnx_generator(model: Decoder, spec: CacheSpec, bucket: int) -> Generator:

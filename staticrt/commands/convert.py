@@ -20,6 +20,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         out = convert_gguf(args.gguf, args.out, stage)
     console.print(
-        f"wrote {out} in {time.perf_counter() - start:.1f} s; chat with it: staticrt run --model {out} --chat 'Hello'"
+        f"wrote {out} in {time.perf_counter() - start:.1f} s; chat with it: staticrt chat --model {out}",
+        soft_wrap=True,  # one line: the command can be copied
     )
     return 0

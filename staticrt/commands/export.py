@@ -51,7 +51,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             copy_tokenizer,
         )
     console.print(
-        f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3"
+        f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3",
+        soft_wrap=True,  # one line: the command can be copied
     )
     return 0
 
