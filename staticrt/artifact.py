@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import ArtifactError, read_json_object
 
-SCHEMA_VERSION = 2  # 2: the manifest is sealed (manifest_sha256) and lists every file
+SCHEMA_VERSION = 3  # 2: the manifest is sealed (manifest_sha256) and lists every file; 3: torch programs return logits
 MANIFEST = "manifest.json"
 SEAL = "manifest_sha256"
 # Artifact formats, each run by the backend of its name (runtime.py), in the order a default is picked.

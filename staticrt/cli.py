@@ -1,4 +1,4 @@
-"""staticrt command line: demo | run | chat | export | convert | bench | inspect.
+"""staticrt command line: demo | run | chat | serve | export | convert | bench | bench-serve | inspect.
 
 Importing this module imports no torch: `staticrt run ARTIFACT --backend onnx` deploys without it.
 Each command imports what it needs when it runs.
@@ -15,6 +15,7 @@ from typing import Any
 
 from .artifact import FORMATS
 from .cli_args import POSITIVE, Parser, add_generation_args, add_model_args, prompt_ids
+from .cli_serve import add_serve_parsers
 from .console import console, show_log
 from .errors import StaticrtError
 from .generate import MAX_NEW_TOKENS
@@ -30,6 +31,7 @@ examples:
   staticrt bench --model bench-llama --backends compiled,onnx --threads 2 --json bench-onnx.json
   staticrt bench --backends compiled,hf --window 4096 --prompt-len 4160 --new-tokens 32 --json bench-sliding.json
   staticrt bench --backends compiled --offload --prompt-len 8192 --new-tokens 32 --json bench-offload.json
+  staticrt bench-serve --model bench-llama --threads 2 --json bench-serve.json
   staticrt export export/tiny-llama.toml && staticrt bench --cold-start artifacts/tiny-llama --json bench-cold.json
   staticrt run --model tiny-mistral --cache sliding --prompt-ids 1,2,3 --max-new-tokens 500
   staticrt inspect --model tiny-gemma2 --cache hybrid --max-cache-len 4096
@@ -96,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(chat, max_new_tokens=256)
     chat.add_argument("--system", default=None, help="the system prompt (default: the template's)")
     _add_export_parser(sub)
+    add_serve_parsers(sub)
 
     convert = sub.add_parser(
         "convert",
@@ -198,6 +201,8 @@ COMMANDS = {
     "inspect": ("staticrt.commands.inspect", "cmd_inspect"),
     "convert": ("staticrt.commands.convert", "cmd_convert"),
     "chat": ("staticrt.commands.chat", "cmd_chat"),
+    "serve": ("staticrt.commands.serve", "cmd_serve"),
+    "bench-serve": ("staticrt.commands.bench_serve", "cmd_bench_serve"),
 }
 
 

@@ -58,6 +58,7 @@ class StepBackend(Protocol):
     max_sequence_len: int | None  # positions a row can reach; None when the cache never runs out
     vocab_size: int
     eos_token_ids: tuple[int, ...]  # the model's end-of-sequence ids, the default stop tokens
+    row_positions: bool  # whether each row writes at its own position (False: one column for all rows, genai's)
     buckets: tuple[int, ...]
 
     def reset(self) -> None: ...
@@ -78,7 +79,7 @@ class StepBackend(Protocol):
         input_ids: np.ndarray,  # [B, T] int64
         write_index: np.ndarray,  # [B] int64
         num_new: np.ndarray,  # [B] int64, real tokens a row in this step
-        sampling: SamplingParams,
+        sampling: SamplingParams,  # temperature, top_k, top_p: one for every row, or [B] (a server's rows)
         uniforms: np.ndarray | None,  # [B] float32 when sampling
     ) -> np.ndarray: ...  # [B] int64
 
@@ -94,6 +95,11 @@ class GenerationStats:
     def decode_ms_per_token(self) -> float | None:
         """Median decode step in ms; None when the call decoded nothing (one new token: prefill only)."""
         return 1000 * float(np.median(self.decode_s)) if self.decode_s else None
+
+
+def per_row(value: Any, batch: int, dtype: Any) -> np.ndarray:
+    """A sampling parameter as `[batch]` values: one number for every row, or already one a row."""
+    return np.array(np.broadcast_to(np.asarray(value, dtype=dtype), (batch,)))  # a writable copy
 
 
 def default_buckets(max_cache_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -132,8 +138,10 @@ def validate_request(
     sampling: SamplingParams,
     stop_token_ids: Any = (),
     stream: Any = None,
+    chunked: bool = False,
 ) -> Request:
-    """Every check on a request, before the cache or the RNG is touched."""
+    """Every check on a request, before the cache or the RNG is touched. `chunked`: prompts longer
+    than the largest bucket are allowed (a server prefills them a bucket at a time)."""
     if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:
         prompts = prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -165,7 +173,7 @@ def validate_request(
                 f"{len(ids) + max_new_tokens}, beyond max_cache_len={limit}; shorten the prompt, ask for "
                 f"fewer tokens or {backend.remedy('max_cache_len')}"
             )
-        if len(ids) > backend.buckets[-1]:
+        if len(ids) > backend.buckets[-1] and not chunked:
             raise GenerationError(
                 f"prompt {r} has {len(ids)} tokens, beyond the largest prefill bucket {backend.buckets[-1]}; "
                 f"shorten the prompt or {backend.remedy('prefill_buckets')}"
@@ -195,10 +203,12 @@ def generate_tokens(
     input_ids = np.zeros((batch, bucket), dtype=np.int64)
     for r, ids in enumerate(rows):
         input_ids[r, : len(ids)] = ids
-    rng = np.random.default_rng(sampling.seed)
+    # Row r draws from its own generator, seeded seed + r: a prompt's tokens do not depend on the
+    # batch size or on its neighbours, and a server's request with seed s samples row 0's tokens.
+    rngs = [np.random.default_rng(None if sampling.seed is None else sampling.seed + r) for r in range(batch)]
 
     def uniforms() -> np.ndarray | None:
-        return rng.random(batch, dtype=np.float32) if sampling.do_sample else None
+        return np.array([g.random(dtype=np.float32) for g in rngs]) if sampling.do_sample else None
 
     stats.compile_s = backend.prepare((bucket, 1) if max_new_tokens > 1 else (bucket,), sampling.do_sample)
     backend.reset()

@@ -7,7 +7,17 @@ top-p cut, and inverse-CDF sampling. Imports no torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+
+
+def choose(logits: np.ndarray, sampling: Any, uniforms: np.ndarray | None) -> np.ndarray:
+    """A step's tokens `[B]` from its logits `[B, V]`: greedy without uniforms, else sampled with
+    `sampling`'s temperature, top_k and top_p (one value, or one a row)."""
+    if uniforms is None:
+        return greedy(logits)
+    return sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
 
 
 def greedy(logits: np.ndarray) -> np.ndarray:
@@ -15,16 +25,20 @@ def greedy(logits: np.ndarray) -> np.ndarray:
     return np.argmax(logits, axis=-1).astype(np.int64)
 
 
-def sample(logits: np.ndarray, temperature: float, top_k: int, top_p: float, uniform: np.ndarray) -> np.ndarray:
-    """logits `[B, V]`, `uniform [B]` -> token ids `[B]` int64; `top_k` 0 keeps every token."""
-    vocab = logits.shape[-1]
-    scaled = logits.astype(np.float32) / np.float32(temperature)
+def sample(logits: np.ndarray, temperature: Any, top_k: Any, top_p: Any, uniform: np.ndarray) -> np.ndarray:
+    """logits `[B, V]`, `uniform [B]` -> token ids `[B]` int64. `temperature`, `top_k` (0 keeps every
+    token) and `top_p` are one number for every row or one a row."""
+    batch, vocab = logits.shape
+    temperature = np.broadcast_to(np.asarray(temperature, dtype=np.float32), (batch,))
+    top_k = np.broadcast_to(np.asarray(top_k, dtype=np.int64), (batch,))
+    top_p = np.broadcast_to(np.asarray(top_p, dtype=np.float32), (batch,))
+    scaled = logits.astype(np.float32) / temperature[:, None]
     order = np.argsort(-scaled, axis=-1, kind="stable")  # [B, V] descending, ties in index order
     sorted_logits = np.take_along_axis(scaled, order, axis=-1)
     exp = np.exp(sorted_logits - sorted_logits[:, :1])
     probs = exp / exp.sum(axis=-1, keepdims=True)
     rank = np.arange(vocab)[None, :]
-    keep = (rank < (top_k if top_k > 0 else vocab)) & (np.cumsum(probs, axis=-1) - probs < np.float32(top_p))
+    keep = (rank < np.where(top_k > 0, top_k, vocab)[:, None]) & (np.cumsum(probs, axis=-1) - probs < top_p[:, None])
     cdf = np.cumsum(probs * keep, axis=-1)
     target = uniform.astype(np.float32)[:, None] * cdf[:, -1:]
     choice = np.minimum((cdf <= target).sum(axis=-1), vocab - 1)

@@ -21,7 +21,7 @@ import torch
 from hf_models import hf_greedy, save_hf_model
 
 import staticrt
-from staticrt.artifact import seal
+from staticrt.artifact import SCHEMA_VERSION, seal
 from staticrt.caches import CacheSpec
 from staticrt.cli import main
 from staticrt.errors import ArtifactError, CacheError, CheckpointError, ConfigError, GenerationError
@@ -184,7 +184,9 @@ def test_an_unlisted_file_and_malformed_manifests_are_refused_by_name(artifact, 
     cases = {
         "[]": f"{manifest} holds a JSON list, not an object; re-export the artifact with `staticrt export`",
         json.dumps(seal({"schema_version": True})): f"{manifest}: field schema_version is True, this staticrt reads",
-        json.dumps(seal({"schema_version": 2})): f"{manifest}: field versions is missing; re-export the artifact",
+        json.dumps(seal({"schema_version": SCHEMA_VERSION})): (
+            f"{manifest}: field versions is missing; re-export the artifact"
+        ),
     }
     for text, message in cases.items():
         manifest.write_text(text)

@@ -95,3 +95,45 @@ def test_onnx_cannot_join_the_offload_bench():
         r"backend; drop onnx from --backends$",
     ):
         run_bench("tiny-llama", ["onnx"], offload=True)
+
+
+def test_bench_serve_sends_the_same_requests_to_every_contender():
+    """staticrt serve, transformers serve and the one-at-a-time baseline all produce every token
+    asked for (random weights, no eos): the same requests, measured the same way."""
+    pytest.importorskip("transformers", reason="bench-serve writes the preset with transformers: the test extra")
+    pytest.importorskip("fastapi", reason="bench-serve starts staticrt serve: the serve extra")
+    from staticrt.bench.serve_bench import ServeBenchRequest, run_serve_bench
+
+    request = ServeBenchRequest(
+        "tiny-llama",
+        "eager",
+        max_batch_size=2,
+        concurrency=3,
+        requests=6,
+        prompt_range=(4, 40),
+        output_range=(4, 12),
+        prefill_buckets=(16, 32),
+        threads=1,
+    )
+    report = run_serve_bench(request)
+    import numpy as np
+
+    rng = np.random.default_rng(0)  # the workload's own draws: prompt length, ids, then max_tokens
+    asked = 0
+    for _ in range(6):
+        rng.integers(0, 512, size=int(rng.integers(4, 41)))
+        asked += int(rng.integers(4, 13))
+    results = report["results"]
+    assert set(results) == {"staticrt", "transformers", "one_at_a_time"}
+    assert {name: (r["output_tokens"], r.get("failed", 0)) for name, r in results.items()} == {
+        name: (asked, 0) for name in results
+    }
+    assert set(report["throughput_ratios"]) == {"staticrt_vs_transformers", "staticrt_vs_one_at_a_time"}
+    assert report["settings"]["max_cache_len"] == 64 + 12  # the longest prompt in chunks of 32, and its answer
+
+
+def test_the_load_generator_only_targets_loopback():
+    from staticrt.bench.serve_load import check_loopback
+
+    with pytest.raises(ValueError, match="^the load generator only targets loopback servers; http://10.0.0.2:80 is on"):
+        check_loopback("http://10.0.0.2:80")

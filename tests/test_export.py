@@ -16,7 +16,7 @@ import staticrt
 from staticrt.artifact import seal
 from staticrt.caches import CacheSpec
 from staticrt.cli import main
-from staticrt.errors import ArtifactError, GenerationError
+from staticrt.errors import ArtifactError
 from staticrt.exporters import export_artifact
 from staticrt.recipe import read_recipe
 from staticrt.runtime import load_artifact
@@ -150,11 +150,11 @@ def test_another_schema_version_is_refused_by_field(artifacts, tmp_path):
         load_artifact(folder)
     assert str(err.value) == (
         f"{folder / 'manifest.json'}: field schema_version is 99, this staticrt reads "
-        "schema_version 2; re-export the artifact with this staticrt"
+        "schema_version 3; re-export the artifact with this staticrt"
     )
 
 
-def test_cli_runs_an_artifact_and_refuses_sampling_it_cannot_do(artifacts, capsys):
+def test_cli_runs_an_artifact_with_any_of_its_formats(artifacts, capsys):
     ids = ",".join(map(str, prompts()[0]))
     assert main(["run", str(artifacts["tiny-llama"]), "--prompt-ids", ids, "--max-new-tokens", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -179,8 +179,19 @@ def test_cli_runs_an_artifact_and_refuses_sampling_it_cannot_do(artifacts, capsy
     )
     out = json.loads(capsys.readouterr().out)
     assert out["backend"] == "onnx" and out["tokens"] == [reference]  # the recipe's onnx graph agrees
-    with pytest.raises(GenerationError, match="^this artifact's programs choose tokens greedily"):
-        load_artifact(artifacts["tiny-mistral"]).generate([[1, 2]], max_new_tokens=2, do_sample=True, seed=0)
+
+
+def test_exported_programs_sample_the_tokens_every_backend_samples(artifacts):
+    """The programs end at the logits and the host chooses, so a seed gives the eager backend's tokens."""
+    folder = artifacts["tiny-llama"]
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=0.9, top_k=50, top_p=0.95, seed=7)
+    eager = staticrt.Generator(
+        staticrt.load_model("tiny-llama"), max_batch_size=3, max_cache_len=128, prefill_buckets=[64]
+    )
+    expected = eager.generate(prompts(), **kwargs)
+    assert expected != eager.generate(prompts(), max_new_tokens=12)  # sampling, not the greedy answer
+    for backend in ("aoti", "pt2", "onnx"):
+        assert load_artifact(folder, backend).generate(prompts(), **kwargs) == expected, backend
 
 
 def test_an_export_interrupted_in_its_last_stage_leaves_no_folder(tmp_path, monkeypatch):

@@ -184,7 +184,7 @@ def test_the_in_place_detector_sees_a_copy_when_present_is_not_bound_to_past(onn
     assert "TensorScatter: in-place optimization not activated" in capfd.readouterr().err
 
 
-def test_running_an_onnx_artifact_imports_no_torch(onnx_artifacts):
+def test_running_and_serving_an_onnx_artifact_imports_no_torch(onnx_artifacts):
     folder = onnx_artifacts["mistral-sw16", "sliding"]
     script = (
         "import sys, json\n"
@@ -193,6 +193,14 @@ def test_running_an_onnx_artifact_imports_no_torch(onnx_artifacts):
         " '--json']) == 0\n"
         "import staticrt\n"
         f"staticrt.load_artifact({str(folder)!r}, backend='onnx').generate([[4, 5]], max_new_tokens=2)\n"
+        "from fastapi.testclient import TestClient\n"
+        "from staticrt.cli import build_parser\n"
+        "from staticrt.commands.serve import build_server\n"
+        f"app, _ = build_server(build_parser().parse_args(['serve', {str(folder)!r}, '--backend', 'onnx']))\n"
+        "with TestClient(app) as http:\n"
+        f"    body = dict(model={folder.name!r}, prompt=[4, 5], max_tokens=2, temperature=0)\n"
+        "    served = http.post('/v1/completions', json=body).json()\n"
+        "    assert len(served['choices'][0]['token_ids']) == 2, served\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'staticrt.model',"
         " 'staticrt.caches', 'staticrt.exporters')))\n"
         "print(json.dumps(loaded), file=sys.stderr)\n"

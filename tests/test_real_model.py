@@ -192,3 +192,24 @@ def test_chat_without_a_template_is_refused(tmp_path):
 
     with pytest.raises(staticrt.CheckpointError, match=r"has no chat template .*chat needs one"):
         load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_serving_the_onnx_artifact_chats_as_transformers_does(smollm2_artifact, hf_smollm2, hf_answer):
+    """The real model's ONNX artifact behind `staticrt serve`, asked through the official openai
+    client, answers transformers' greedy answer, whole and streamed."""
+    from serving import client, running
+
+    from staticrt.cli import build_parser
+    from staticrt.commands.serve import build_server
+
+    app, _ = build_server(build_parser().parse_args(["serve", str(smollm2_artifact), "--backend", "onnx"]))
+    eos = hf_answer.index(2) + 1 if 2 in hf_answer else len(hf_answer)
+    expected = hf_smollm2[1].decode(hf_answer[:eos], skip_special_tokens=True)
+    ask = dict(model="smollm2", messages=CONVERSATIONS["system"], max_tokens=NEW_TOKENS, temperature=0)
+    with running(app) as url:
+        whole = client(url).chat.completions.create(**ask)
+        pieces = [c.choices[0].delta.content or "" for c in client(url).chat.completions.create(stream=True, **ask)]
+    assert whole.choices[0].message.content == expected == "".join(pieces)
+    assert whole.choices[0].finish_reason == ("stop" if 2 in hf_answer else "length")
+    assert whole.usage.completion_tokens == eos
+    assert "Paris" in expected

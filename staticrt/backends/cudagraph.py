@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..generate import SamplingParams
+from ..generate import SamplingParams, per_row
 from .compiled import CompiledBackend
 from .eager import StepFn
 
@@ -57,7 +57,7 @@ class _Graph:
     inputs: dict[str, torch.Tensor]  # static buffers the graph reads, by step argument name
     output: torch.Tensor  # [B] int64 on the device, the graph's chosen ids
     expected: tuple[np.ndarray, np.ndarray] | None = None  # decode: (ids, write_index) its buffers hold next
-    params: tuple[float, int, float] | None = None  # sampling parameters its buffers hold
+    params: tuple[tuple[Any, ...], ...] | None = None  # sampling parameters its buffers hold, a row each
 
 
 class CudaGraphBackend(CompiledBackend):
@@ -150,13 +150,18 @@ class CudaGraphBackend(CompiledBackend):
             buffers["input_ids"].copy_(torch.from_numpy(input_ids), non_blocking=True)
             buffers["write_index"].copy_(torch.from_numpy(write_index), non_blocking=True)
             buffers["num_new"].copy_(torch.from_numpy(num_new), non_blocking=True)
-        params = (sampling.temperature, sampling.top_k, sampling.top_p)
         if uniforms is not None:
             buffers["uniform"].copy_(torch.from_numpy(uniforms), non_blocking=True)
+            batch = len(uniforms)
+            values = {
+                "temperature": per_row(sampling.temperature, batch, np.float32),
+                "top_k": per_row(sampling.top_k, batch, np.int64),
+                "top_p": per_row(sampling.top_p, batch, np.float32),
+            }
+            params = tuple(tuple(v.tolist()) for v in values.values())
             if entry.params != params:
-                buffers["temperature"].fill_(sampling.temperature)
-                buffers["top_k"].fill_(sampling.top_k)
-                buffers["top_p"].fill_(sampling.top_p)
+                for name, value in values.items():
+                    buffers[name].copy_(torch.from_numpy(value))
                 entry.params = params
 
     def _capture(

@@ -11,7 +11,7 @@ import torch
 
 from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
 from ..errors import CacheError, GenerationError, as_int
-from ..generate import SamplingParams, default_buckets
+from ..generate import SamplingParams, default_buckets, per_row
 from ..model import Decoder
 from ..sampling import greedy, sample
 
@@ -60,6 +60,7 @@ def _check_cache(cache: KVCache, model: Decoder, param: torch.Tensor, **requeste
 
 class EagerBackend:
     name = "eager"
+    row_positions = True
 
     def __init__(
         self,
@@ -110,6 +111,11 @@ class EagerBackend:
     def reset(self) -> None:
         self.cache.reset()
 
+    def adopt_row(self, row: int, source: EagerBackend, source_row: int) -> None:
+        """Row `row` of this cache takes `source`'s row `source_row` (a backend over the same
+        model and cache layout, of any batch size): a prompt prefilled alone joins the batch."""
+        self.cache.copy_row(source.cache, source_row, row)
+
     def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
         """Nothing to build: eager runs the step as it is."""
         return 0.0
@@ -133,7 +139,7 @@ class EagerBackend:
         batch, seq_len = input_ids.shape
         self.cache.check_step(write_index, seq_len)
         dev = self.device
-        full = lambda value, dtype: torch.full((batch,), value, dtype=dtype, device=dev)  # noqa: E731
+        full = lambda value, dtype: torch.from_numpy(per_row(value, batch, dtype)).to(dev)  # noqa: E731
         fn = self.step_function(seq_len, uniforms is not None)
         with torch.no_grad():
             next_ids = fn(
@@ -142,9 +148,9 @@ class EagerBackend:
                 torch.from_numpy(input_ids).to(dev),
                 torch.from_numpy(write_index).to(dev),
                 torch.from_numpy(num_new).to(dev),
-                full(sampling.temperature, torch.float32),
-                full(sampling.top_k, torch.int64),
-                full(sampling.top_p, torch.float32),
+                full(sampling.temperature, np.float32),
+                full(sampling.top_k, np.int64),
+                full(sampling.top_p, np.float32),
                 None if uniforms is None else torch.from_numpy(uniforms).to(dev),
             )
         return next_ids.cpu().numpy()  # the step's one device-to-host read

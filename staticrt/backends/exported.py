@@ -19,8 +19,9 @@ import torch
 
 from ..artifact import REEXPORT, program_name
 from ..dtypes import resolve_dtype
-from ..errors import ArtifactError, GenerationError, check_positions
+from ..errors import ArtifactError, check_positions
 from ..generate import SamplingParams
+from ..host_sampling import choose
 from .artifact_base import ArtifactBackend
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -84,6 +85,8 @@ def _pt2_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
 class ExportedBackend(ArtifactBackend):
     """A `StepBackend` over an artifact folder written by `staticrt export`."""
 
+    row_positions = True
+
     def __init__(self, folder: str | Path, format: str = "aoti", manifest: dict[str, Any] | None = None) -> None:
         super().__init__(folder, format, manifest)
         folder, manifest = self.folder, self.manifest
@@ -117,16 +120,11 @@ class ExportedBackend(ArtifactBackend):
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
-        if uniforms is not None:
-            raise GenerationError(
-                "this artifact's programs choose tokens greedily; sampling runs on the eager, compiled and onnx "
-                "backends (pass do_sample=False here)"
-            )
         seq_len = input_ids.shape[1]
         check_positions(
             write_index, seq_len, self.max_sequence_len, self.cache_kind, way_out=self.remedy("max_cache_len")
         )
         program = self.programs[program_name(seq_len)]
         with torch.no_grad():
-            next_ids = program(torch.from_numpy(input_ids), torch.from_numpy(write_index), torch.from_numpy(num_new))
-        return next_ids.numpy()  # [B]
+            logits = program(torch.from_numpy(input_ids), torch.from_numpy(write_index), torch.from_numpy(num_new))
+        return choose(logits.numpy(), sampling, uniforms)  # logits [B, V] -> tokens [B]

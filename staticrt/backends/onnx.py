@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ArtifactError, check_positions, first_line
 from ..generate import SamplingParams
-from ..host_sampling import greedy, sample
+from ..host_sampling import choose
 from .artifact_base import ArtifactBackend
 
 
@@ -49,6 +49,7 @@ class OnnxBackend(ArtifactBackend):
     """A `StepBackend` over the ONNX graph of an artifact folder written by `staticrt export --format onnx`."""
 
     name = "onnx"
+    row_positions = False  # genai's cache layout: each step writes one column of every row
 
     def __init__(
         self,
@@ -134,7 +135,9 @@ class OnnxBackend(ArtifactBackend):
             positions = np.zeros((batch, seq_len), dtype=np.int64)
             self._grow_mask(seq_len)
             for r in range(batch):
-                n = int(num_new[r])
+                # a row with nothing to prefill (a server's free row) still marks its last column,
+                # so the graph's write index (last marked column - S) stays 0, never negative
+                n = max(int(num_new[r]), 1)
                 ids[r, seq_len - n :] = input_ids[r, :n]
                 positions[r, seq_len - n :] = write_index[r] + np.arange(n)
                 self.mask[r, seq_len - n : seq_len] = 1
@@ -180,10 +183,7 @@ class OnnxBackend(ArtifactBackend):
             else:
                 self.binding.bind_ortvalue_input(name, self._device_input(name, value))
         self.session.run_with_iobinding(self.binding, self.run_options[int(ids.shape[1] == 1)])
-        logits = self.logits.numpy()[:, -1]  # [B, V]; the one device-to-host read of the step
-        if uniforms is None:
-            return greedy(logits)
-        return sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
+        return choose(self.logits.numpy()[:, -1], sampling, uniforms)  # [B, V]: the step's one device-to-host read
 
 
 def _has_cuda_device() -> bool:

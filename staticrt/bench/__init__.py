@@ -195,6 +195,7 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
 def write_report(report: dict[str, Any], path: Path) -> None:
     """Atomic: a reader never sees half a JSON file."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(path)

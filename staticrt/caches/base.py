@@ -189,6 +189,13 @@ class KVCache(nn.Module, ABC):
         for buf in self.state_buffers():
             buf.zero_()
 
+    def copy_row(self, source: KVCache, source_row: int, row: int) -> None:
+        """Row `row` of every buffer takes `source`'s row `source_row` (a cache of the same layout,
+        any batch size; every buffer is batch-first), in place: captured graphs stay valid."""
+        theirs = dict(source.named_buffers())
+        for name, buf in self.named_buffers():
+            buf[row].copy_(theirs[name][source_row])
+
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Permute rows in place (beam search): row b takes the contents of row `beam_idx[b]`."""
         for buf in self.state_buffers():

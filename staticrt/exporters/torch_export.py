@@ -1,10 +1,11 @@
 """Model + cache -> torch.export programs (`.pt2`) and AOTInductor packages, in an artifact folder.
 
 One program per step shape: `decode` (T = 1) and `prefill_N` per prefill bucket, each the whole
-step (model, cache write, greedy choice) with the cache's K/V as buffers the program mutates in
-place. Every program and package refers to the same constants by name (`model.*` weights,
-`cache.*` state), and the loader (backends/exported.py) hands them all the same tensors, so a
-prefill program fills the cache the decode program reads, and the weights exist once.
+step (model and cache write, up to the logits; tokens are chosen on the host) with the cache's K/V
+as buffers the program mutates in place. Every program and package refers to the same constants
+by name (`model.*` weights, `cache.*` state), and the loader (backends/exported.py) hands them
+all the same tensors, so a prefill program fills the cache the decode program reads, and the
+weights exist once.
 
 Files, beside manifest.json:
   weights.safetensors   every weight once, in the layout the programs were traced with
@@ -28,15 +29,16 @@ from ..artifact import program_name
 from ..caches import KVCache
 from ..dtypes import dtype_name
 from ..model import Decoder
-from ..sampling import greedy
 
 WEIGHTS = "weights.safetensors"
 Timed = Callable[[str, Callable[[], Any]], Any]  # runs a stage, reports what finished and its time
 
 
 class StepProgram(nn.Module):
-    """The unit a program holds: one greedy step over `input_ids [B, T]` at `write_index [B]`
-    with `num_new [B]` real tokens a row, returning the next token of each row `[B]`."""
+    """The unit a program holds: one step over `input_ids [B, T]` at `write_index [B]` with
+    `num_new [B]` real tokens a row, returning the float32 logits of each row's last real token
+    `[B, V]`. The token is chosen on the host (host_sampling.py, as for ONNX Runtime), so one
+    program serves greedy and sampled requests, row by row."""
 
     def __init__(self, model: Decoder, cache: KVCache) -> None:
         super().__init__()
@@ -44,7 +46,7 @@ class StepProgram(nn.Module):
         self.cache = cache
 
     def forward(self, input_ids: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor) -> torch.Tensor:
-        return greedy(self.model(input_ids, write_index, self.cache, num_new))
+        return self.model(input_ids, write_index, self.cache, num_new).float()
 
 
 def example_inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -53,7 +55,7 @@ def example_inputs(batch: int, seq_len: int, device: torch.device) -> tuple[torc
     return ids, write_index, torch.full((batch,), seq_len, dtype=torch.int64, device=device)
 
 
-def io_spec(batch: int, seq_len: int) -> dict[str, Any]:
+def io_spec(batch: int, seq_len: int, vocab: int) -> dict[str, Any]:
     """What the manifest says of a program's inputs and outputs."""
     return {
         "seq_len": seq_len,
@@ -62,7 +64,7 @@ def io_spec(batch: int, seq_len: int) -> dict[str, Any]:
             {"name": "write_index", "shape": [batch], "dtype": "int64"},
             {"name": "num_new", "shape": [batch], "dtype": "int64"},
         ],
-        "outputs": [{"name": "next_ids", "shape": [batch], "dtype": "int64"}],
+        "outputs": [{"name": "logits", "shape": [batch, vocab], "dtype": "float32"}],
     }
 
 
@@ -130,7 +132,7 @@ def write_torch(
     timed("write weights", lambda: save_file(weights, str(folder / WEIGHTS)))
     return {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector ISA the aoti code targets
-        "programs": {program_name(s): io_spec(batch, s) for s in sorted({1, *buckets})},
+        "programs": {program_name(s): io_spec(batch, s, step.model.config.vocab_size) for s in sorted({1, *buckets})},
         "constants": constant_layouts(constants),
         "weights": WEIGHTS,
     }

@@ -1,0 +1,200 @@
+"""`staticrt bench-serve`: continuous batching measured against one request at a time.
+
+The same requests (serve_load.py) go to `staticrt serve` and, where transformers is installed,
+to `transformers serve --continuous-batching`, each a separate process on a loopback port,
+started, measured and stopped in turn, so no two share the CPU; then the same requests run one at
+a time through `Generator.generate` (batch 1, same backend and buckets) in this process, the
+baseline continuous batching must beat.
+
+A preset has no files, so it is first written as a checkpoint folder (config.json, safetensors)
+with a word-level tokenizer whose words `t0 .. t{V-1}` are the token ids: every server reads the
+same weights and turns the same text into the same ids.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import GenerationError
+from .serve_load import LoadRequest, run_load, workload
+
+Stage = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ServeBenchRequest:
+    model: str
+    backend: str = "compiled"
+    max_batch_size: int = 8
+    concurrency: int = 16
+    requests: int = 64
+    prompt_range: tuple[int, int] = (8, 96)
+    output_range: tuple[int, int] = (16, 96)
+    prefill_buckets: tuple[int, ...] = (32, 64, 128)
+    threads: int | None = None
+    duration_s: float = 600.0
+    seed: int = 0
+    transformers: bool = True
+
+    @property
+    def max_cache_len(self) -> int:
+        """Room for the longest prompt's bucket (chunks of the largest) and the longest answer."""
+        largest = self.prefill_buckets[-1]
+        prompt = -(-self.prompt_range[1] // largest) * largest
+        return prompt + self.output_range[1]
+
+
+def checkpoint_folder(model: str, work: Path) -> Path:
+    """`model` itself when it is a folder; a preset written as a checkpoint folder in `work`."""
+    from ..presets import PRESETS
+
+    if model not in PRESETS:
+        if not (Path(model) / "tokenizer.json").is_file():
+            raise GenerationError(f"{model} has no tokenizer.json; bench-serve sends text prompts, as users do")
+        return Path(model)
+    try:
+        import transformers
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise GenerationError(
+            "bench-serve writes a preset as a checkpoint with transformers: pip install 'staticrt[hf]'"
+        ) from None
+    from ..checkpoint import load_model
+    from .hf import hf_model_like
+
+    folder = work / model
+    hf = hf_model_like(load_model(model))
+    hf.generation_config.eos_token_id = None  # random weights: every answer runs to max_tokens
+    hf.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(hf.config.vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece()  # joins the words with spaces
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(folder)
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def server_process(command: list[str], port: int, env: dict[str, str], timeout_s: float) -> Iterator[str]:
+    """`command` (a server listening on `port`) running until left; yields its URL once /health answers."""
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                tail = log.read()[-2000:]
+                why = f"exited with {process.returncode}" if process.poll() is not None else f"not up in {timeout_s} s"
+                raise GenerationError(f"{' '.join(command[:4])} ... {why}:\n{tail}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def _measure(command: list[str], model: str, request: ServeBenchRequest, load: list[LoadRequest]) -> dict[str, Any]:
+    port = _free_port()
+    env = {"OMP_NUM_THREADS": str(request.threads)} if request.threads else {}
+    with server_process([*command, "--port", str(port)], port, env, timeout_s=900) as url:
+        run_load(url, model, load[:1], 1, request.duration_s)  # warm-up: first-use costs stay out
+        return run_load(url, model, load, request.concurrency, request.duration_s)
+
+
+def staticrt_command(folder: Path, request: ServeBenchRequest) -> list[str]:
+    command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", str(folder), "--backend", request.backend]
+    command += ["--max-batch-size", str(request.max_batch_size), "--max-cache-len", str(request.max_cache_len)]
+    command += ["--prefill-buckets", ",".join(map(str, request.prefill_buckets)), "--served-model-name", "bench"]
+    command += ["--max-queue", str(request.requests)]
+    return command + (["--threads", str(request.threads)] if request.threads else [])
+
+
+def transformers_command(folder: Path) -> list[str]:
+    serve = "from transformers.cli.transformers import main; import sys; sys.argv[0] = 'transformers'; main()"
+    return [sys.executable, "-c", serve, "serve", str(folder), "--continuous-batching", "--device", "cpu"]
+
+
+def one_at_a_time(folder: Path, request: ServeBenchRequest, load: list[LoadRequest]) -> dict[str, Any]:
+    """The requests one after another through a batch-1 Generator (graphs built before timing)."""
+    import torch
+
+    from ..checkpoint import load_model
+    from ..runtime import Generator
+
+    if request.threads:
+        torch.set_num_threads(request.threads)
+    model = load_model(folder)
+    longest = request.max_cache_len - request.output_range[1]  # a generate prefills in one step, unchunked
+    gen = Generator(
+        model,
+        max_batch_size=1,
+        max_cache_len=request.max_cache_len,
+        backend=request.backend,
+        prefill_buckets=sorted({*request.prefill_buckets, longest}),
+    )
+    gen.backend.prepare((*gen.backend.buckets, 1), False)
+    tokens, start = 0, time.perf_counter()
+    for item in load:
+        prompt = model.tokenizer.encode(item.prompt)
+        out = gen.generate([prompt], item.max_tokens, stop_token_ids=gen.backend.eos_token_ids)
+        tokens += len(out[0])
+    wall = time.perf_counter() - start
+    return {"requests": len(load), "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall}
+
+
+def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None) -> dict[str, Any]:
+    """The report: each server's load summary, the baseline, and their ratios."""
+    from . import machine
+
+    with tempfile.TemporaryDirectory(prefix="staticrt-bench-serve-") as work:
+        on_stage(f"writing {request.model} as a checkpoint folder")
+        folder = checkpoint_folder(request.model, Path(work))
+        from ..tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(folder)
+        vocab = tokenizer.backend.get_vocab_size()
+        load = workload(tokenizer, vocab, request.requests, request.prompt_range, request.output_range, request.seed)
+        results: dict[str, Any] = {}
+        on_stage(f"staticrt serve ({request.backend}; starting, compiling, then {len(load)} requests)")
+        results["staticrt"] = _measure(staticrt_command(folder, request), "bench", request, load)
+        if request.transformers:
+            on_stage(f"transformers serve --continuous-batching ({len(load)} requests)")
+            try:
+                results["transformers"] = _measure(transformers_command(folder), str(folder), request, load)
+            except GenerationError as err:
+                results["transformers"] = {"error": str(err)}
+        on_stage(f"one request at a time through Generator.generate ({len(load)} requests)")
+        results["one_at_a_time"] = one_at_a_time(folder, request, load)
+    rates = {k: v.get("output_tokens_per_s") for k, v in results.items()}
+    ratios = {f"staticrt_vs_{k}": rates["staticrt"] / rate for k, rate in rates.items() if k != "staticrt" and rate}
+    settings = {**request.__dict__, "max_cache_len": request.max_cache_len}
+    return {"settings": settings, "machine": machine(), "results": results, "throughput_ratios": ratios}

@@ -1,0 +1,146 @@
+"""A bounded load on an OpenAI-compatible server on loopback: a fixed list of streamed
+`/v1/completions` requests (mixed prompt and output lengths) sent by `concurrency` clients at
+once, stopped at a duration cap; what each request saw, and the figures a serving benchmark
+reports (output tokens/s, time to first token and inter-token latency, p50 and p99).
+
+Any server that speaks OpenAI's streamed completions is measured the same way: a token chunk is
+one whose choice has no `finish_reason`; TTFT is the time to the first, ITL the gaps between the
+next ones; tokens are counted from `usage` (or the chunks, where a server sends none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Record:
+    """One request as its client saw it (seconds from its own send)."""
+
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+def workload(
+    tokenizer: Any, vocab_size: int, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> list[LoadRequest]:
+    """`count` requests with prompt lengths (tokens) and max_tokens drawn uniformly from the
+    ranges; a prompt is the text of random token ids, so every server tokenizes the same text."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(count):
+        ids = rng.integers(0, vocab_size, size=int(rng.integers(prompt_range[0], prompt_range[1] + 1))).tolist()
+        requests.append(LoadRequest(tokenizer.decode(ids), int(rng.integers(output_range[0], output_range[1] + 1))))
+    return requests
+
+
+def check_loopback(url: str) -> None:
+    host = urlparse(url).hostname
+    if host not in LOOPBACK:
+        raise ValueError(f"the load generator only targets loopback servers; {url} is on {host}")
+
+
+async def _one(client: Any, url: str, model: str, request: LoadRequest) -> Record:
+    record = Record()
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                record.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:200]}"
+                return record
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    record.tokens = int(chunk["usage"]["completion_tokens"])
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("finish_reason") is None:
+                    if record.ttft is None:
+                        record.ttft = now - start
+                    else:
+                        record.gaps.append(now - last)
+                    last, chunks = now, chunks + 1
+                if "error" in chunk:
+                    record.error = str(chunk["error"])[:200]
+    except Exception as err:  # a failed request is a result too, reported with the rest
+        record.error = f"{type(err).__name__}: {err}"
+    record.tokens = record.tokens or chunks
+    return record
+
+
+async def _load(
+    url: str, model: str, requests: list[LoadRequest], concurrency: int, duration_s: float
+) -> tuple[list[Record], float]:
+    import httpx
+
+    pending = list(reversed(requests))
+    records: list[Record] = []
+    start = time.perf_counter()
+    deadline = start + duration_s
+
+    async def client_loop(client: Any) -> None:
+        while pending and time.perf_counter() < deadline:
+            records.append(await _one(client, url, model, pending.pop()))
+
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return records, time.perf_counter() - start
+
+
+def run_load(url: str, model: str, requests: list[LoadRequest], concurrency: int, duration_s: float) -> dict[str, Any]:
+    """Send `requests` to the server at `url` from `concurrency` clients; no request starts after
+    `duration_s`. Returns the summary (`summary`)."""
+    check_loopback(url)
+    records, wall = asyncio.run(_load(url, model, requests, concurrency, duration_s))
+    return summary(records, wall, len(requests))
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None}
+    return {"p50_ms": 1e3 * float(np.percentile(values, 50)), "p99_ms": 1e3 * float(np.percentile(values, 99))}
+
+
+def summary(records: list[Record], wall_s: float, sent_of: int) -> dict[str, Any]:
+    done = [r for r in records if r.error is None]
+    tokens = sum(r.tokens for r in done)
+    return {
+        "requests": len(records),
+        "requests_planned": sent_of,
+        "failed": len(records) - len(done),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+        "wall_s": wall_s,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
+        "ttft": percentiles([r.ttft for r in done if r.ttft is not None]),
+        "itl": percentiles([g for r in done for g in r.gaps]),
+    }

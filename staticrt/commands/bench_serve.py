@@ -1,0 +1,76 @@
+"""`staticrt bench-serve`: run the serving benchmark, show it as a table, write the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any
+
+from ..bench import write_report
+from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
+from ..console import console, table
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    transformers = not args.no_transformers and importlib.util.find_spec("transformers") is not None
+    if not args.no_transformers and not transformers:
+        console.print("[yellow]transformers is not installed: skipping transformers serve[/]")
+    request = ServeBenchRequest(
+        model=args.model,
+        backend=args.backend,
+        max_batch_size=args.max_batch_size,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        prompt_range=args.prompt_len,
+        output_range=args.output_len,
+        prefill_buckets=tuple(sorted(args.prefill_buckets)),
+        threads=args.threads,
+        duration_s=float(args.duration),
+        seed=args.seed,
+        transformers=transformers,
+    )
+    with console.status("bench-serve") as status:
+        report = run_serve_bench(request, on_stage=lambda s: status.update(s))
+    _show(request, report)
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    return 0 if not any(r.get("failed") or "error" in r for r in report["results"].values()) else 1
+
+
+def _ms(stats: dict[str, Any] | None, key: str) -> Any:
+    value = (stats or {}).get(key)
+    return "-" if value is None else float(value)
+
+
+def _show(request: ServeBenchRequest, report: dict[str, Any]) -> None:
+    rows = []
+    for name, r in report["results"].items():
+        if "error" in r:
+            console.print(f"[red]{name}: {r['error']}[/]", soft_wrap=True)
+            continue
+        ttft, itl = r.get("ttft"), r.get("itl")
+        done = f"{r['requests'] - r.get('failed', 0)}/{r['requests']}"
+        rows.append(
+            [
+                name,
+                done,
+                r["output_tokens"],
+                r["output_tokens_per_s"],
+                _ms(ttft, "p50_ms"),
+                _ms(ttft, "p99_ms"),
+                _ms(itl, "p50_ms"),
+                _ms(itl, "p99_ms"),
+            ]
+        )
+    title = (
+        f"{request.model} ({request.backend}), {request.max_batch_size} rows, {request.concurrency} clients, "
+        f"{report['machine']['torch_threads']} threads"
+    )
+    columns = ["contender", "done", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    console.print(table(title, columns, rows))
+    for name, r in report["results"].items():
+        for error in r.get("errors", []):
+            console.print(f"[red]{name}: {error}[/]", soft_wrap=True)
+    for key, value in report["throughput_ratios"].items():
+        console.print(f"throughput {key}: {value:.2f}x")

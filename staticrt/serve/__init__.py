@@ -1,0 +1,87 @@
+"""Serving: the rows of one cache as slots (scheduler.py), OpenAI's HTTP API over them (app.py,
+protocol.py), Prometheus metrics (metrics.py). Needs the `serve` extra (FastAPI, uvicorn,
+prometheus_client); imports no torch, so an ONNX artifact serves without it."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import GenerationError
+from ..generation_config import GenerationDefaults
+
+
+def serve_backend(
+    backend: Any,
+    tokenizer: Any = None,
+    name: str = "model",
+    defaults: GenerationDefaults | None = None,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    prefiller: Any = None,
+) -> tuple[Any, Any]:
+    """The app serving `backend` (a Generator's `.backend`) as model `name`, and its scheduler.
+    `prefiller`: a batch-1 backend over the same model and cache layout (a model backend's, built
+    like `backend`), which prefills each prompt alone; without it prompts prefill in `backend`.
+    Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
+    so that no request waits for a compile and no compile stalls the rows being served."""
+    try:
+        from .app import create_app
+        from .protocol import Limits
+        from .scheduler import Scheduler
+    except ImportError as err:
+        raise GenerationError(
+            f"serving needs the serve extra ({err.name} is missing): pip install 'staticrt[serve]'"
+        ) from None
+    defaults = defaults or GenerationDefaults()
+    for do_sample in (False, True):
+        if prefiller is None:
+            backend.prepare((*backend.buckets, 1), do_sample)
+        else:
+            backend.prepare((1,), do_sample)
+            prefiller.prepare(prefiller.buckets, do_sample)
+    limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
+    scheduler = Scheduler(backend, tokenizer, max_queue=max_queue, prefiller=prefiller)
+    return create_app(scheduler, limits, api_key=api_key), scheduler
+
+
+def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, log_level: str = "info") -> None:
+    """Serve `app` until SIGINT or SIGTERM; then admit nothing new, let open requests finish for up
+    to `drain_s` seconds, and stop (requests still running then end with 503)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                logging.getLogger("staticrt").info("stopping: no new requests; open ones have %g s to finish", drain_s)
+            scheduler.stop_admitting()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_s, log_level=log_level)
+    Draining(config).run()
+
+
+@contextmanager
+def serving_on_loopback(app: Any) -> Iterator[str]:
+    """`app` served by uvicorn on a free 127.0.0.1 port, in a thread of this process (tests,
+    `bench-serve`); yields its base URL and stops the server on leaving."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

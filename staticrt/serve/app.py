@@ -1,0 +1,168 @@
+"""The HTTP face of a scheduler: OpenAI's `/v1/chat/completions`, `/v1/completions` and
+`/v1/models`, with `/health` and Prometheus `/metrics`, on FastAPI.
+
+Every request is checked before it is queued (400 naming the field), a full queue answers 429
+with Retry-After, a server shutting down 503; a client that goes away cancels its job, which
+frees its row at the next step. With an API key every endpoint but /health needs
+`Authorization: Bearer KEY`, compared in constant time. Bodies above `max_body` bytes are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..errors import GenerationError
+from .protocol import BadRequest, Limits, Reply, chat_prompt, completion_prompt, completion_request, error_body
+from .scheduler import Event, NotAdmitting, QueueFull, Scheduler
+
+MAX_BODY = 1 << 20  # bytes; a prompt of the longest context is far below it
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
+    kind = "server_error" if status >= 500 else kind
+    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
+
+
+def create_app(scheduler: Scheduler, limits: Limits, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
+    """An app serving `scheduler`; its lifespan starts the scheduler and stops it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not scheduler.thread.is_alive():
+            scheduler.start()
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="staticrt", lifespan=lifespan)
+    scheduler.metrics.rows.set(len(scheduler.rows))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return _error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            return _error(413, f"the request body is {length} bytes; the limit is {max_body}")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "busy_rows": scheduler.busy_rows, "queue": len(scheduler.waiting)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(scheduler.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": limits.model, "object": "model", "created": 0, "owned_by": "staticrt"}],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _complete(request, scheduler, limits, max_body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _complete(request, scheduler, limits, max_body, chat=True)
+
+    return app
+
+
+async def _complete(request: Request, scheduler: Scheduler, limits: Limits, max_body: int, chat: bool) -> Response:
+    """Check the body, queue its job, and answer whole or as a stream of events."""
+    raw = await request.body()
+    if len(raw) > max_body:
+        return _error(413, f"the request body is {len(raw)} bytes; the limit is {max_body}")
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise ValueError("not an object")
+    except ValueError as err:
+        return _error(400, f"the body is not a JSON object ({err})")
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    try:
+        tokenizer = scheduler.tokenizer
+        prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, limits.vocab_size)
+        job = scheduler.submit(
+            completion_request(body, prompt, limits, chat),
+            lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
+        )
+    except BadRequest as err:
+        return _error(400, str(err), err.param)
+    except GenerationError as err:
+        return _error(400, str(err))
+    except QueueFull as err:
+        return _error(429, str(err), headers={"Retry-After": "1"})
+    except NotAdmitting as err:
+        return _error(503, str(err))
+    reply = Reply(limits.model, chat)
+    if body.get("stream"):
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(_stream(job, events, reply, usage), media_type="text/event-stream")
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        return await _whole(events, reply)
+    finally:
+        watcher.cancel()
+
+
+async def _watch_disconnect(request: Request, job: Any) -> None:
+    """Cancel `job` when its client goes away before the answer is whole."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+async def _whole(events: asyncio.Queue[Event], reply: Reply) -> Response:
+    text, tokens = [], []
+    while True:
+        event = await events.get()
+        if event.kind == "error":
+            return _error(event.status, event.message)
+        if event.kind == "token":
+            text.append(event.text)
+            tokens.append(event.token)
+        else:
+            return JSONResponse(reply.whole("".join(text), tokens, event.finish_reason, event.usage))
+
+
+async def _stream(job: Any, events: asyncio.Queue[Event], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, then `[DONE]`; leaving early cancels the job."""
+
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    try:
+        if reply.chat:
+            yield sse(reply.chunk("", [], first=True))
+        while True:
+            event = await events.get()
+            if event.kind == "token":
+                yield sse(reply.chunk(event.text, [event.token]))
+            elif event.kind == "error":
+                yield sse(error_body(event.message, "server_error"))
+                break
+            else:
+                yield sse(reply.chunk(None if reply.chat else "", [], event.finish_reason))
+                if include_usage:
+                    yield sse(reply.usage_chunk(event.usage))
+                break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # a no-op once the job has finished

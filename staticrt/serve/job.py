@@ -1,0 +1,166 @@
+"""A request as the scheduler runs it: the request (`Completion`), what its client is told
+(`Event`), where it stands (`Job`: row, tokens, text held back for stop strings), and one step's
+inputs over the rows (`Plan`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..generate import SamplingParams
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One request, as the scheduler runs it (token ids; text only for stop strings)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+
+
+@dataclass
+class Event:
+    """What a job tells its client: `token` (with the text it completes), `done`, or `error`."""
+
+    kind: str
+    token: int | None = None
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length", with `done`
+    usage: dict[str, int] | None = None
+    status: int = 0  # with `error`: 500 when a step failed, 503 when the server stopped
+    message: str = ""
+
+
+@dataclass(eq=False)
+class Job:
+    """A request and where it stands: its row, the prompt tokens prefilled, the tokens chosen."""
+
+    request: Completion
+    emit: Callable[[Event], None]
+    order: int
+    row: int | None = None
+    fed: int = 0  # prompt tokens in the cache
+    tokens: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    rng: Any = None
+    stream: Any = None  # a TextStream when stop strings are asked for, or text is wanted
+    text: str = ""  # text produced, held back where it may be the start of a stop string
+    sent: int = 0  # characters of `text` already emitted
+    created_at: float = field(default_factory=time.perf_counter)
+    last_at: float = 0.0
+
+    @property
+    def position(self) -> int:
+        """Tokens of this row in the cache: the prompt, then every chosen token but the newest."""
+        return self.fed + max(len(self.tokens) - 1, 0)
+
+    def cancel(self) -> None:
+        """Free the row at the next step (a client that went away)."""
+        self.cancelled = True
+
+    def accept(self, token: int) -> tuple[str, str | None]:
+        """Take the chosen `token`: the text it lets the client see now (text that may be the
+        start of a stop string is held back) and why the job ends, if it does ("stop" on a stop
+        id or string, "length" at max_tokens)."""
+        request = self.request
+        self.tokens.append(token)
+        self.text += self.stream.push(token) if self.stream is not None else ""
+        reason = "stop" if token in request.stop_token_ids else None
+        cut = min((i for i in (self.text.find(s) for s in request.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, reason = self.text[:cut], "stop"
+        if reason is None and len(self.tokens) == request.max_tokens:
+            reason = "length"
+        if reason is None:
+            hold = max(
+                (n for s in request.stop for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])), default=0
+            )
+            visible = len(self.text) - hold
+        else:
+            if cut < 0 and self.stream is not None:
+                self.text += self.stream.flush()
+            visible = len(self.text)
+        start, self.sent = self.sent, max(visible, self.sent)
+        return self.text[start : self.sent], reason
+
+    @property
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.request.prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": len(self.tokens),
+            "total_tokens": prompt + len(self.tokens),
+        }
+
+
+class Plan:
+    """One step's inputs (`[B, T]` ids, `[B]` write_index and num_new) for the backend that runs
+    it, the jobs in it (each at its slot: its row, or 0 in a batch-1 prefiller) and the jobs that
+    get a token from it; `adopt`: a job whose row takes the prefiller's row after the step."""
+
+    def __init__(self, backend: Any, width: int) -> None:
+        batch = backend.batch_size
+        self.backend = backend
+        self.slot: dict[Job, int] = {}
+        self.adopt: Job | None = None
+        self.input_ids = np.zeros((batch, width), dtype=np.int64)
+        self.write_index = np.zeros(batch, dtype=np.int64)
+        self.count = np.zeros(batch, dtype=np.int64)  # real tokens of each member
+        self.num_new = self.count
+        self.members: list[Job] = []
+        self.finishing: list[Job] = []
+        self.sampling: tuple[SamplingParams, np.ndarray | None] = (SamplingParams(), None)
+
+    def add(self, job: Job, ids: list[int], write_index: int, slot: int | None = None) -> None:
+        slot = job.row if slot is None else slot
+        assert slot is not None
+        self.slot[job] = slot
+        self.input_ids[slot, : len(ids)] = ids
+        self.write_index[slot] = write_index
+        self.count[slot] = len(ids)
+        self.members.append(job)
+
+    def choose(self, jobs: list[Job]) -> None:
+        """How the step picks each row's token: greedy when every row of `jobs` is greedy (the
+        greedy graph, as a lone generation uses); else the sampling graph with each row's own
+        parameters and one uniform from its own generator, greedy rows as top_k 1 (the argmax)."""
+        sampled = [job for job in jobs if job.request.sampling.do_sample]
+        if not sampled:
+            return
+        batch = len(self.write_index)
+        temperature = np.ones(batch, dtype=np.float32)
+        top_k = np.ones(batch, dtype=np.int64)
+        top_p = np.ones(batch, dtype=np.float32)
+        uniforms = np.zeros(batch, dtype=np.float32)
+        for job in sampled:
+            params, row = job.request.sampling, self.slot[job]
+            temperature[row], top_k[row], top_p[row] = params.temperature, params.top_k, params.top_p
+            uniforms[row] = job.rng.random(dtype=np.float32)
+        self.sampling = (SamplingParams(True, temperature, top_k, top_p), uniforms)
+
+    @property
+    def inputs(self) -> tuple[Any, ...]:
+        """`StepBackend.step`'s arguments."""
+        return (self.input_ids, self.write_index, self.num_new, *self.sampling)
+
+
+def bucket(buckets: tuple[int, ...], length: int, exact: bool = False) -> int | None:
+    """The smallest bucket that holds `length` tokens; past the largest, the largest (a chunk of
+    a longer prompt), or None with `exact`."""
+    found = next((b for b in buckets if b >= length), None)
+    return found if exact or found is not None else buckets[-1]
+
+
+def chunk_end(buckets: tuple[int, ...], length: int) -> int:
+    """The last position a prompt of `length` tokens writes, padding included, chunk by chunk."""
+    largest, start = buckets[-1], 0
+    while length - start > largest:
+        start += largest
+    return start + bucket(buckets, length - start)

@@ -1,0 +1,32 @@
+"""What `GET /metrics` shows, in Prometheus' text format (prometheus_client): how full the queue
+and the rows are, tokens generated, how each request ended, time to first token and between
+tokens. Each scheduler has its own registry, so servers in one process (tests) never mix counts."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds: from a few ms (a decode step of a tiny model) to a minute (a queue behind long prompts)
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue = Gauge("staticrt_queue_length", "requests waiting for a free row", registry=r)
+        self.busy = Gauge("staticrt_busy_rows", "cache rows holding a request", registry=r)
+        self.rows = Gauge("staticrt_rows", "cache rows (the batch size of the step)", registry=r)
+        self.tokens = Counter("staticrt_generated_tokens", "tokens generated", registry=r)
+        self.finished = Counter(
+            "staticrt_requests_finished", "requests that left their row, by outcome", ["outcome"], registry=r
+        )
+        self.first_token = Histogram(
+            "staticrt_time_to_first_token_seconds", "from submission to the first token", buckets=BUCKETS, registry=r
+        )
+        self.inter_token = Histogram(
+            "staticrt_inter_token_latency_seconds", "between a request's tokens", buckets=BUCKETS, registry=r
+        )
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,190 @@
+"""OpenAI's request and response bodies: a request checked field by field into a `Completion`
+(a bad field is a `BadRequest` naming it, its limit and the way out: HTTP 400 in OpenAI's error
+shape), and the response objects and stream chunks built from the scheduler's events.
+
+Each choice also carries `token_ids` (the ids behind its text, as vLLM's `return_token_ids`), so a
+client can check tokens without a tokenizer.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import StaticrtError
+from ..generate import SamplingParams
+from ..generation_config import GenerationDefaults
+from .scheduler import Completion
+
+
+class BadRequest(StaticrtError):
+    """A request field out of its limits; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the server can hold: its name, the cache's last position, the vocabulary, the eos ids."""
+
+    model: str
+    max_sequence_len: int | None
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    defaults: GenerationDefaults
+
+
+def _number(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadRequest(f"{name} is {value!r}; it must be a number", name)
+    if not (low < value if low_open else low <= value) or value > high:
+        bracket = "(" if low_open else "["
+        raise BadRequest(f"{name} is {value}; it must be in {bracket}{low}, {high}]", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, low: int, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise BadRequest(f"{name} is {value!r}; it must be an integer >= {low}", name)
+    return value
+
+
+def _token_list(value: Any, name: str, vocab: int) -> list[int]:
+    if not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadRequest(f"{name} must be a non-empty string or list of token ids", name)
+    bad = [t for t in value if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"{name} holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", name)
+    return list(value)
+
+
+def completion_prompt(body: dict, tokenizer: Any, vocab: int) -> list[int]:
+    """`prompt`: a string, token ids, or a list of one of either (one choice a request)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BadRequest(
+                "a text prompt needs the model's tokenizer.json, which it has none of; send token ids", "prompt"
+            )
+        if not prompt:
+            raise BadRequest("prompt is empty", "prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list):
+        return _token_list(prompt, "prompt", vocab)
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
+
+
+def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
+    """`messages` rendered with the model's chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
+    plain = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a role and a content", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        plain.append({"role": message["role"], "content": content})
+    if tokenizer is None:
+        raise BadRequest("chat needs the model's tokenizer.json and chat template, which it has none of", "messages")
+    try:
+        return tokenizer.apply_chat_template(plain)
+    except StaticrtError as err:
+        raise BadRequest(str(err), "messages") from None
+
+
+def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool) -> Completion:
+    """The scheduler's request from an OpenAI body, every field checked against `limits`."""
+    if body.get("model") != limits.model:
+        raise BadRequest(
+            f"model {body.get('model')!r} is not served here; this server serves {limits.model!r}", "model"
+        )
+    if _integer(body, "n", 1, 1) != 1:
+        raise BadRequest("n must be 1: each choice is its own request; send n requests", "n")
+    room = None if limits.max_sequence_len is None else limits.max_sequence_len - len(prompt)
+    if room is not None and room < 1:
+        raise BadRequest(
+            f"the prompt is {len(prompt)} tokens and the context holds {limits.max_sequence_len}; shorten it",
+            "messages" if chat else "prompt",
+        )
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    name = next((n for n in names if body.get(n) is not None), names[-1])
+    max_tokens = _integer(body, name, 1, (room or 4096) if chat else min(16, room or 16))
+    if room is not None and max_tokens > room:
+        raise BadRequest(
+            f"{name} is {max_tokens}, but the prompt's {len(prompt)} tokens leave {room} of the context's "
+            f"{limits.max_sequence_len}; ask for at most {room}",
+            name,
+        )
+    own = limits.defaults.sampling(None, None, None)
+    temperature = _number(body, "temperature", 0.0, 2.0, own["temperature"])
+    top_p = _number(body, "top_p", 0.0, 1.0, own["top_p"], low_open=True)
+    top_k = _integer(body, "top_k", 0, own["top_k"])
+    seed = _integer(body, "seed", 0, None)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop must be a non-empty string or a list of up to 4 of them", "stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if stop_ids:
+        _token_list(stop_ids, "stop_token_ids", limits.vocab_size)
+    sampling = SamplingParams(temperature > 0, temperature if temperature > 0 else 1.0, top_k, top_p, seed)
+    return Completion(prompt, max_tokens, sampling, tuple(limits.eos_token_ids) + tuple(stop_ids), tuple(stop))
+
+
+class Reply:
+    """The response object, or its stream chunks, for one request."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model, self.chat = model, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _wrap(self, obj: str, choices: list[dict], **extra: Any) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def whole(self, text: str, tokens: list[int], finish_reason: str, usage: dict) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return self._wrap(self.object, [choice], usage=usage)
+
+    def chunk(self, text: str | None, tokens: list[int], finish_reason: str | None = None, first: bool = False) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+            return self._wrap("chat.completion.chunk", [choice])
+        choice["text"] = text or ""
+        return self._wrap("text_completion", [choice])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)

@@ -1,0 +1,299 @@
+"""Continuous batching on a static graph: the B rows of one backend's cache are B slots.
+
+A request waits in a bounded queue until a row is free, is prefilled into that row (its prompt
+in the bucket a lone `generate` would use, or in chunks of the largest bucket when longer), then
+decodes one token a step beside the other rows; when it finishes, is cancelled or fails, its row
+is free at once for the next request. The shapes are the backend's own (a bucket wide for prefill
+steps, one token for decode steps), so nothing recompiles and CUDA graphs stay valid.
+
+Prefill and decode steps alternate rather than share a step: a row decodes in the same width-1
+graph as a lone generation, so greedy tokens equal a lone run's. With a prefiller (a batch-1
+backend over the same model, which a model backend has and an artifact has not) a prompt is
+prefilled alone there and its cache row copied into the job's row (`adopt_row`): a `[B, T]`
+prefill step would spend B rows' compute on one prompt. Without one, in a prefill step the decoding
+rows sit out (`num_new` 0), and their write of padding lands past their length, where their mask
+hides it until a real token overwrites it; a prefill step of width T waits until every decoding
+row has T positions left. A freed row is not cleared: masks are computed from positions, and its
+next occupant writes every position it attends to before it attends to it.
+
+One thread runs the steps; requests come from any thread, and each job's `emit` is called on the
+scheduler's thread. Imports no torch: an ONNX artifact serves without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import GenerationError, StaticrtError
+from ..generate import StepBackend, validate_request
+from .job import Completion, Event, Job, Plan, bucket, chunk_end
+from .metrics import Metrics
+
+
+class QueueFull(StaticrtError):
+    """Every row is busy and the queue holds its limit: try again shortly (HTTP 429)."""
+
+
+class NotAdmitting(StaticrtError):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+class Scheduler:
+    """The rows of `backend`'s cache as slots; `submit` requests, `start` the stepping thread."""
+
+    def __init__(
+        self,
+        backend: StepBackend,
+        tokenizer: Any = None,
+        max_queue: int = 64,
+        metrics: Metrics | None = None,
+        prefiller: StepBackend | None = None,
+    ) -> None:
+        self.backend = backend
+        self.prefiller = prefiller  # batch 1, same model and cache layout; its row is copied into ours
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.rows: list[Job | None] = [None] * backend.batch_size
+        self.waiting: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.admitting = True
+        self.stopped = False
+        self.last_prefilled = False
+        self.counter = itertools.count()
+        self.thread = threading.Thread(target=self._loop, name="staticrt-scheduler", daemon=True)
+
+    # -- the client side ---------------------------------------------------------------------
+    def submit(self, request: Completion, emit: Callable[[Event], None]) -> Job:
+        """Queue `request` (checked first: GenerationError names what is wrong with it)."""
+        self.check(request)
+        with self.cond:
+            if not self.admitting:
+                raise NotAdmitting("the server is shutting down and takes no new requests; retry on another replica")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(
+                    f"all {len(self.rows)} rows are busy and {len(self.waiting)} requests wait (--max-queue "
+                    f"{self.max_queue}); retry shortly"
+                )
+            job = Job(request, emit, next(self.counter), rng=np.random.default_rng(request.sampling.seed))
+            if self.tokenizer is not None:
+                job.stream = self.tokenizer.stream()
+            self.waiting.append(job)
+            self.metrics.queue.set(len(self.waiting))
+            self.cond.notify()
+        return job
+
+    def check(self, request: Completion) -> None:
+        """Every limit a request must keep, before it is queued."""
+        checked = validate_request(
+            self.backend, [request.prompt], request.max_tokens, request.sampling, request.stop_token_ids, chunked=True
+        )
+        backend = self.backend
+        if not backend.row_positions and len(request.prompt) > backend.buckets[-1]:
+            raise GenerationError(
+                f"the prompt has {len(request.prompt)} tokens, beyond the largest prefill bucket "
+                f"{backend.buckets[-1]} ({backend.name} prefills a prompt in one step); shorten it or "
+                f"{backend.remedy('prefill_buckets')}"
+            )
+        if request.stop and self.tokenizer is None:
+            raise GenerationError("stop strings need the model's tokenizer.json, which this model has none of")
+        limit = self.backend.max_sequence_len
+        end = chunk_end(self.backend.buckets, len(checked.rows[0]))
+        if limit is not None and end > limit:
+            raise GenerationError(
+                f"the prompt's {len(request.prompt)} tokens are prefilled in chunks of the largest bucket "
+                f"{self.backend.buckets[-1]}, and the last chunk's bucket reaches position {end}, beyond "
+                f"max_cache_len={limit}; shorten the prompt or {self.backend.remedy('max_cache_len')}"
+            )
+
+    def start(self) -> None:
+        self.backend.reset()
+        self.thread.start()
+
+    def stop_admitting(self) -> None:
+        with self.cond:
+            self.admitting = False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop stepping; requests still queued or running are told the server stopped (503)."""
+        with self.cond:
+            self.admitting, self.stopped = False, True
+            self.cond.notify()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    @property
+    def busy_rows(self) -> int:
+        return sum(job is not None for job in self.rows)
+
+    # -- the stepping thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                self._admit()
+                while not self.stopped and self.busy_rows == 0:
+                    self.cond.wait()
+                    self._admit()
+                if self.stopped:
+                    self._fail_all(503, "the server stopped before this request finished")
+                    return
+            plan = self._plan()
+            try:
+                next_ids = plan.backend.step(*plan.inputs)
+                if plan.adopt is not None:
+                    self.backend.adopt_row(plan.adopt.row, self.prefiller, plan.slot[plan.adopt])
+            except Exception as err:  # a failed step fails its own rows; the server keeps serving
+                message = f"the step failed: {type(err).__name__}: {err}"
+                for job in plan.members:
+                    self._finish(job, Event("error", status=500, message=message))
+                continue
+            self._advance(plan, next_ids)
+
+    def _admit(self) -> None:
+        """Drop cancelled jobs (queued or in a row) and fill free rows from the queue (holding the lock)."""
+        for job in self.rows:
+            if job is not None and job.cancelled:
+                self._free(job, "cancelled")
+        self.waiting = deque(j for j in self.waiting if not j.cancelled)
+        if self.backend.row_positions:
+            for r in range(len(self.rows)):
+                if self.rows[r] is None and self.waiting:
+                    self._seat(self.waiting.popleft(), r)
+        elif self.busy_rows == 0 and self.waiting:
+            self._start_wave()
+        self.metrics.queue.set(len(self.waiting))
+        self.metrics.busy.set(self.busy_rows)
+
+    def _seat(self, job: Job, row: int) -> None:
+        job.row = row
+        self.rows[row] = job
+
+    def _start_wave(self) -> None:
+        """A backend whose steps write one column of every row (the ONNX graph, genai's layout)
+        takes requests in waves: when every row is free, the cache starts over and the oldest
+        requests whose prompts and answers fit its columns together are prefilled in one step."""
+        limit = self.backend.max_sequence_len
+        longest_prompt = longest_answer = 0
+        self.backend.reset()
+        for row in range(len(self.rows)):
+            if not self.waiting:
+                return
+            request = self.waiting[0].request
+            prompt, answer = max(longest_prompt, len(request.prompt)), max(longest_answer, request.max_tokens)
+            if row and limit is not None and prompt + answer > limit:
+                return  # the next wave takes it
+            longest_prompt, longest_answer = prompt, answer
+            self._seat(self.waiting.popleft(), row)
+
+    def _plan(self) -> Plan:
+        jobs = [job for job in self.rows if job is not None]
+        prefilling = [job for job in jobs if job.fed < len(job.request.prompt)]
+        decoding = [job for job in jobs if job.fed == len(job.request.prompt)]
+        if prefilling and (not decoding or not self.last_prefilled):
+            plan = self._prefill_plan(prefilling, decoding) if self.prefiller is None else self._alone(prefilling)
+            if plan is not None:
+                self.last_prefilled = True
+                return plan
+        self.last_prefilled = False
+        return self._decode_plan(decoding, prefilling)
+
+    def _prefill_plan(self, prefilling: list[Job], decoding: list[Job]) -> Plan | None:
+        """The oldest prefilling row's next chunk, with every unstarted row whose whole prompt
+        takes the same bucket; None while a decoding row lacks the room for its padding."""
+        head = min(prefilling, key=lambda job: job.order)
+        largest = self.backend.buckets[-1]
+        chunk = min(len(head.request.prompt) - head.fed, largest)
+        width = bucket(self.backend.buckets, chunk)
+        limit = self.backend.max_sequence_len
+        if limit is not None and any(job.position + width > limit for job in decoding):
+            return None
+        if not self.backend.row_positions:  # a wave: every row in one step, as wide as its longest prompt
+            width = bucket(self.backend.buckets, max(len(job.request.prompt) for job in prefilling))
+        members = [head] + [
+            job
+            for job in prefilling
+            if job is not head
+            and job.fed == 0
+            and (
+                not self.backend.row_positions
+                or bucket(self.backend.buckets, len(job.request.prompt), exact=True) == width
+            )
+        ]
+        plan = Plan(self.backend, width)
+        for job in members:
+            take = min(len(job.request.prompt) - job.fed, largest)
+            plan.add(job, job.request.prompt[job.fed : job.fed + take], job.fed)
+        for job in decoding:
+            plan.write_index[job.row] = job.position  # sits out: num_new 0, padding past its length
+        plan.finishing = [job for job in members if job.fed + plan.count[plan.slot[job]] == len(job.request.prompt)]
+        plan.choose(plan.finishing)
+        return plan
+
+    def _alone(self, prefilling: list[Job]) -> Plan:
+        """The oldest prefilling job's next chunk, in the batch-1 prefiller, whose row the job's
+        row then takes: prefill costs one row's compute, not B rows' (the others padding)."""
+        head = min(prefilling, key=lambda job: job.order)
+        take = min(len(head.request.prompt) - head.fed, self.backend.buckets[-1])
+        plan = Plan(self.prefiller, bucket(self.backend.buckets, take))
+        plan.add(head, head.request.prompt[head.fed : head.fed + take], head.fed, slot=0)
+        plan.adopt = head
+        plan.finishing = [head] if head.fed + take == len(head.request.prompt) else []
+        plan.choose(plan.finishing)
+        return plan
+
+    def _decode_plan(self, decoding: list[Job], prefilling: list[Job]) -> Plan:
+        plan = Plan(self.backend, 1)
+        plan.num_new[:] = 1  # a width-1 step writes every row: idle rows at position 0, nothing live
+        for job in decoding:
+            plan.add(job, [job.tokens[-1]], job.position)
+        for job in prefilling:  # a chunked prompt between chunks: position `fed` is written next anyway
+            plan.write_index[job.row] = job.fed
+        plan.finishing = decoding
+        plan.choose(decoding)
+        return plan
+
+    def _advance(self, plan: Plan, next_ids: np.ndarray) -> None:
+        for job in plan.members:
+            if len(job.tokens) == 0:
+                job.fed += int(plan.count[plan.slot[job]])
+        now = time.perf_counter()
+        for job in plan.finishing:
+            token = int(next_ids[plan.slot[job]])
+            if job.tokens:
+                self.metrics.inter_token.observe(now - job.last_at)
+            else:
+                self.metrics.first_token.observe(now - job.created_at)
+            job.last_at = now
+            self.metrics.tokens.inc()
+            self._deliver(job, token)
+
+    def _deliver(self, job: Job, token: int) -> None:
+        """Send the token and the text it completes; finish the job on a stop id, a stop string or its length."""
+        text, reason = job.accept(token)
+        job.emit(Event("token", token=token, text=text))
+        if reason is not None:
+            self._finish(job, Event("done", finish_reason=reason, usage=job.usage))
+
+    def _finish(self, job: Job, event: Event) -> None:
+        with self.cond:
+            self._free(job, event.finish_reason or "error")
+        job.emit(event)
+
+    def _free(self, job: Job, outcome: str) -> None:
+        if job.row is not None and self.rows[job.row] is job:
+            self.rows[job.row] = None
+        self.metrics.finished.labels(outcome).inc()
+        self.metrics.busy.set(self.busy_rows)
+
+    def _fail_all(self, status: int, message: str) -> None:
+        for job in [*filter(None, self.rows), *self.waiting]:
+            self._free(job, "error")
+            job.emit(Event("error", status=status, message=message))
+        self.waiting.clear()
