@@ -111,6 +111,21 @@ def default_buckets(max_cache_len: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(sizes) + (max_cache_len,)
 
 
+def bucket_for(buckets: tuple[int, ...], length: int, exact: bool = False) -> int | None:
+    """The smallest bucket that holds `length` tokens; past the largest, the largest (a chunk of
+    a longer prompt), or None with `exact`."""
+    found = next((b for b in buckets if b >= length), None)
+    return found if exact or found is not None else buckets[-1]
+
+
+def chunk_end(buckets: tuple[int, ...], length: int) -> int:
+    """The last position a prompt of `length` tokens writes, padding included, chunk by chunk."""
+    largest, start = buckets[-1], 0
+    while length - start > largest:
+        start += largest
+    return start + bucket_for(buckets, length - start)
+
+
 @dataclass(frozen=True)
 class Request:
     """A generation request after every check: plain Python values the loop can trust."""
@@ -199,7 +214,7 @@ def generate_tokens(
     batch, n_rows = backend.batch_size, len(rows)
     lengths = np.ones(batch, dtype=np.int64)  # rows beyond the request hold one dummy token
     lengths[:n_rows] = [len(r) for r in rows]
-    bucket = next(b for b in backend.buckets if b >= lengths.max())
+    bucket = bucket_for(backend.buckets, int(lengths.max()))
     input_ids = np.zeros((batch, bucket), dtype=np.int64)
     for r, ids in enumerate(rows):
         input_ids[r, : len(ids)] = ids

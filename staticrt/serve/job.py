@@ -112,8 +112,7 @@ class Plan:
         self.adopt: Job | None = None
         self.input_ids = np.zeros((batch, width), dtype=np.int64)
         self.write_index = np.zeros(batch, dtype=np.int64)
-        self.count = np.zeros(batch, dtype=np.int64)  # real tokens of each member
-        self.num_new = self.count
+        self.num_new = np.zeros(batch, dtype=np.int64)  # real tokens a row (a decode step: every row 1)
         self.members: list[Job] = []
         self.finishing: list[Job] = []
         self.sampling: tuple[SamplingParams, np.ndarray | None] = (SamplingParams(), None)
@@ -124,7 +123,7 @@ class Plan:
         self.slot[job] = slot
         self.input_ids[slot, : len(ids)] = ids
         self.write_index[slot] = write_index
-        self.count[slot] = len(ids)
+        self.num_new[slot] = len(ids)
         self.members.append(job)
 
     def choose(self, jobs: list[Job]) -> None:
@@ -149,18 +148,3 @@ class Plan:
     def inputs(self) -> tuple[Any, ...]:
         """`StepBackend.step`'s arguments."""
         return (self.input_ids, self.write_index, self.num_new, *self.sampling)
-
-
-def bucket(buckets: tuple[int, ...], length: int, exact: bool = False) -> int | None:
-    """The smallest bucket that holds `length` tokens; past the largest, the largest (a chunk of
-    a longer prompt), or None with `exact`."""
-    found = next((b for b in buckets if b >= length), None)
-    return found if exact or found is not None else buckets[-1]
-
-
-def chunk_end(buckets: tuple[int, ...], length: int) -> int:
-    """The last position a prompt of `length` tokens writes, padding included, chunk by chunk."""
-    largest, start = buckets[-1], 0
-    while length - start > largest:
-        start += largest
-    return start + bucket(buckets, length - start)

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import GenerationError, StaticrtError
-from ..generate import StepBackend, validate_request
-from .job import Completion, Event, Job, Plan, bucket, chunk_end
+from ..generate import StepBackend, bucket_for, chunk_end, validate_request
+from .job import Completion, Event, Job, Plan
 from .metrics import Metrics
 
 
@@ -210,12 +210,12 @@ class Scheduler:
         head = min(prefilling, key=lambda job: job.order)
         largest = self.backend.buckets[-1]
         chunk = min(len(head.request.prompt) - head.fed, largest)
-        width = bucket(self.backend.buckets, chunk)
+        width = bucket_for(self.backend.buckets, chunk)
         limit = self.backend.max_sequence_len
         if limit is not None and any(job.position + width > limit for job in decoding):
             return None
         if not self.backend.row_positions:  # a wave: every row in one step, as wide as its longest prompt
-            width = bucket(self.backend.buckets, max(len(job.request.prompt) for job in prefilling))
+            width = bucket_for(self.backend.buckets, max(len(job.request.prompt) for job in prefilling))
         members = [head] + [
             job
             for job in prefilling
@@ -223,7 +223,7 @@ class Scheduler:
             and job.fed == 0
             and (
                 not self.backend.row_positions
-                or bucket(self.backend.buckets, len(job.request.prompt), exact=True) == width
+                or bucket_for(self.backend.buckets, len(job.request.prompt), exact=True) == width
             )
         ]
         plan = Plan(self.backend, width)
@@ -232,7 +232,7 @@ class Scheduler:
             plan.add(job, job.request.prompt[job.fed : job.fed + take], job.fed)
         for job in decoding:
             plan.write_index[job.row] = job.position  # sits out: num_new 0, padding past its length
-        plan.finishing = [job for job in members if job.fed + plan.count[plan.slot[job]] == len(job.request.prompt)]
+        plan.finishing = [job for job in members if job.fed + plan.num_new[plan.slot[job]] == len(job.request.prompt)]
         plan.choose(plan.finishing)
         return plan
 
@@ -241,7 +241,7 @@ class Scheduler:
         row then takes: prefill costs one row's compute, not B rows' (the others padding)."""
         head = min(prefilling, key=lambda job: job.order)
         take = min(len(head.request.prompt) - head.fed, self.backend.buckets[-1])
-        plan = Plan(self.prefiller, bucket(self.backend.buckets, take))
+        plan = Plan(self.prefiller, bucket_for(self.backend.buckets, take))
         plan.add(head, head.request.prompt[head.fed : head.fed + take], head.fed, slot=0)
         plan.adopt = head
         plan.finishing = [head] if head.fed + take == len(head.request.prompt) else []
@@ -262,7 +262,7 @@ class Scheduler:
     def _advance(self, plan: Plan, next_ids: np.ndarray) -> None:
         for job in plan.members:
             if len(job.tokens) == 0:
-                job.fed += int(plan.count[plan.slot[job]])
+                job.fed += int(plan.num_new[plan.slot[job]])
         now = time.perf_counter()
         for job in plan.finishing:
             token = int(next_ids[plan.slot[job]])
