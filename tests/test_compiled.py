@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -150,3 +151,33 @@ def test_graphs_built_once_are_not_compiled_again(tiny):
     gen.generate([list(range(1, 20))], max_new_tokens=1)  # a new prefill bucket (32), no decode
     assert gen.last_stats.compile_s > 0
     assert set(gen.backend._built) == {(16, False), (1, False), (32, False)}
+
+
+def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_onednn(monkeypatch):
+    """The CPU decode graph of a model with matrices that large freezes its weights and packs them
+    for oneDNN's GEMM (backends/compiled.py); this fails if torch drops a name that relies on."""
+    from torch._dynamo.utils import counters
+
+    from staticrt.backends import compiled as compiled_module
+    from staticrt.presets import PRESETS
+
+    config = dataclasses.replace(
+        PRESETS["tiny-llama"], hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64
+    )
+    assert config.hidden_size >= compiled_module.FREEZE_MIN_HIDDEN
+    monkeypatch.setitem(PRESETS, "test-256", config)
+    model = staticrt.load_model("test-256")
+    asked = []
+    ask = compiled_module._OneDnnLinears.__getattr__
+    monkeypatch.setattr(
+        compiled_module._OneDnnLinears, "__getattr__", lambda self, name: asked.append(name) or ask(self, name)
+    )
+    counters.clear()
+    compiled = staticrt.Generator(model, max_batch_size=2, max_cache_len=64, backend="compiled")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._dynamo.config.patch(error_on_recompile=True):
+        tokens = compiled.generate(prompts, max_new_tokens=24)
+    # the decode graph's 9 matrices (2 layers of qkv, o, gate_up, down; the head), none of the prefill graph's
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 9
+    assert "_is_mkldnn_acl_supported" in asked  # the pack pass asked which library, and heard oneDNN
+    assert tokens == staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(prompts, max_new_tokens=24)

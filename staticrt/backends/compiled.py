@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,54 @@ def graph_name(seq_len: int, do_sample: bool) -> str:
 def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+# Decode step, B=1 / B=8, ms, MKL -> frozen oneDNN (docs/measurements.md): hidden 64: 0.11 -> 0.33 /
+# 0.21 -> 0.32; 128: 0.40 -> 0.52 / 2.0 -> 1.5; 256: 1.9 -> 1.2 / 3.8 -> 1.9; 512 (bench-llama):
+# 10.5 -> 9.4 / 23-30 -> 10.1; 576 (SmolLM2): 36 -> 32 / 85 -> 36.
+FREEZE_MIN_HIDDEN = 256
+
+
+class _OneDnnLinears:
+    """torch.ops.mkldnn as inductor's weight-pack pass sees it, saying "pack fp32 for oneDNN"."""
+
+    def __init__(self, ops: Any) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name: str) -> Any:
+        return (lambda: True) if name == "_is_mkldnn_acl_supported" else getattr(self._ops, name)
+
+
+@contextmanager
+def frozen_decode_weights() -> Iterator[None]:
+    """Compile the graph traced inside with its weights frozen and prepacked for oneDNN's GEMM.
+
+    A decode step is a few rows times every weight. With weights as graph inputs, inductor calls
+    MKL's sgemm, which on the project's CPU runs a `[8, C]` step at ~2.5x the time of a `[1, C]`
+    one; oneDNN's prepacked GEMM reads the weights once for all rows (docs/measurements.md).
+    Inductor packs weights only when `freezing` is on during the trace, and for fp32 picks MKL's
+    packed GEMM (no faster) unless it believes oneDNN is the only path (its `acl` check); the
+    second patch answers that check, for the pack pass alone. Torch does not promise either
+    name: where they are gone, the graph compiles as before (same tokens, slower).
+    Frozen weights are constants of the graph: weights changed in place afterwards are not seen
+    (a new Generator compiles afresh); each frozen graph holds its own packed copy.
+    """
+    import torch._inductor.config as inductor_config
+
+    try:
+        from torch._inductor.fx_passes import mkldnn_fusion
+    except ImportError:
+        mkldnn_fusion = None
+    with inductor_config.patch(freezing=True):
+        if mkldnn_fusion is None or not hasattr(mkldnn_fusion, "mkldnn"):
+            yield
+            return
+        original = mkldnn_fusion.mkldnn
+        mkldnn_fusion.mkldnn = _OneDnnLinears(original)
+        try:
+            yield
+        finally:
+            mkldnn_fusion.mkldnn = original
 
 
 class CompiledBackend(EagerBackend):
@@ -64,7 +113,8 @@ class CompiledBackend(EagerBackend):
         if the model changed between generations); the rest run `past_guards` of it (guards.py).
         A `stream` callback must not change the model or the cache in the middle of a generation."""
         key = (input_ids.shape[1], uniforms is not None)
-        next_ids = super().step(input_ids, write_index, num_new, sampling, uniforms)
+        with self.compiling(key[0]) if key not in self._checked else nullcontext():
+            next_ids = super().step(input_ids, write_index, num_new, sampling, uniforms)
         if key not in self._checked:
             self._checked[key] = self.past_guards(self._graphs[key])
         return next_ids
@@ -90,6 +140,14 @@ class CompiledBackend(EagerBackend):
             spent += time.perf_counter() - began
             log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
         return spent
+
+    def compiling(self, seq_len: int) -> Any:
+        """The context a graph of width `seq_len` is traced and compiled in: a CPU decode graph
+        with frozen, oneDNN-packed weights (`frozen_decode_weights`) where the matrices are large
+        enough to repay oneDNN's ~20 µs a call (hidden size `FREEZE_MIN_HIDDEN` and up); prefill
+        graphs, whose GEMMs have B*T rows and run at MKL's full speed, keep the weights as inputs."""
+        frozen = seq_len == 1 and self.device.type == "cpu" and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
+        return frozen_decode_weights() if frozen else nullcontext()
 
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code

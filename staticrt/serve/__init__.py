@@ -52,7 +52,9 @@ def serve_backend(
 
 def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, log_level: str = "info") -> None:
     """Serve `app` until SIGINT or SIGTERM; then admit nothing new, let open requests finish for up
-    to `drain_s` seconds, and stop (requests still running then end with 503)."""
+    to `drain_s` seconds, and stop (requests still running then end with 503). The scheduler
+    steps in this thread, the one that loaded and compiled the model (scheduler.py says why);
+    uvicorn serves from another, and the signals are caught here and re-raised once drained."""
     import uvicorn
 
     class Draining(uvicorn.Server):
@@ -63,7 +65,20 @@ def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, l
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_s, log_level=log_level)
-    Draining(config).run()
+    server = Draining(config)
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            scheduler.stop()  # the stepping loop below returns
+
+    http = threading.Thread(target=serve_http, name="staticrt-http", daemon=True)
+    with server.capture_signals():
+        scheduler.run(ready=http.start)
+        http.join()
+    if not server.started:
+        raise GenerationError(f"could not serve on {host}:{port} (uvicorn's message is above); choose another --port")
 
 
 @contextmanager

@@ -38,8 +38,7 @@ def create_app(scheduler: Scheduler, limits: Limits, api_key: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if not scheduler.thread.is_alive():
-            scheduler.start()
+        scheduler.start()
         yield
         scheduler.stop()
 

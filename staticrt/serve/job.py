@@ -1,6 +1,6 @@
 """A request as the scheduler runs it: the request (`Completion`), what its client is told
-(`Event`), where it stands (`Job`: row, tokens, text held back for stop strings), and one step's
-inputs over the rows (`Plan`)."""
+(`Event`), the limits it must keep (`check_request`), where it stands (`Job`: row, tokens, text
+held back for stop strings), and one step's inputs over the rows (`Plan`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..generate import SamplingParams
+from ..errors import GenerationError
+from ..generate import SamplingParams, chunk_end, validate_request
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,29 @@ class Completion:
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
+
+
+def check_request(backend: Any, tokenizer: Any, request: Completion) -> None:
+    """Every limit a request must keep on `backend`, checked before it is queued."""
+    checked = validate_request(
+        backend, [request.prompt], request.max_tokens, request.sampling, request.stop_token_ids, chunked=True
+    )
+    if not backend.row_positions and len(request.prompt) > backend.buckets[-1]:
+        raise GenerationError(
+            f"the prompt has {len(request.prompt)} tokens, beyond the largest prefill bucket "
+            f"{backend.buckets[-1]} ({backend.name} prefills a prompt in one step); shorten it or "
+            f"{backend.remedy('prefill_buckets')}"
+        )
+    if request.stop and tokenizer is None:
+        raise GenerationError("stop strings need the model's tokenizer.json, which this model has none of")
+    limit = backend.max_sequence_len
+    end = chunk_end(backend.buckets, len(checked.rows[0]))
+    if limit is not None and end > limit:
+        raise GenerationError(
+            f"the prompt's {len(request.prompt)} tokens are prefilled in chunks of the largest bucket "
+            f"{backend.buckets[-1]}, and the last chunk's bucket reaches position {end}, beyond "
+            f"max_cache_len={limit}; shorten the prompt or {backend.remedy('max_cache_len')}"
+        )
 
 
 @dataclass

@@ -17,7 +17,10 @@ row has T positions left. A freed row is not cleared: masks are computed from po
 next occupant writes every position it attends to before it attends to it.
 
 One thread runs the steps; requests come from any thread, and each job's `emit` is called on the
-scheduler's thread. Imports no torch: an ONNX artifact serves without it.
+stepping thread. `staticrt serve` steps on the thread that loaded and compiled the model (`run`):
+OpenMP gives every thread that starts parallel work a team of its own, and on a 2-core machine a
+second team slowed each decode step by ~60% (docs/measurements.md). Imports no torch: an ONNX
+artifact serves without it.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import GenerationError, StaticrtError
-from ..generate import StepBackend, bucket_for, chunk_end, validate_request
-from .job import Completion, Event, Job, Plan
+from ..errors import StaticrtError
+from ..generate import StepBackend, bucket_for
+from .job import Completion, Event, Job, Plan, check_request
 from .metrics import Metrics
 
 
@@ -69,11 +72,12 @@ class Scheduler:
         self.last_prefilled = False
         self.counter = itertools.count()
         self.thread = threading.Thread(target=self._loop, name="staticrt-scheduler", daemon=True)
+        self.driven = False  # stepping in a caller's thread (`run`) rather than in `thread`
 
     # -- the client side ---------------------------------------------------------------------
     def submit(self, request: Completion, emit: Callable[[Event], None]) -> Job:
         """Queue `request` (checked first: GenerationError names what is wrong with it)."""
-        self.check(request)
+        check_request(self.backend, self.tokenizer, request)
         with self.cond:
             if not self.admitting:
                 raise NotAdmitting("the server is shutting down and takes no new requests; retry on another replica")
@@ -90,32 +94,20 @@ class Scheduler:
             self.cond.notify()
         return job
 
-    def check(self, request: Completion) -> None:
-        """Every limit a request must keep, before it is queued."""
-        checked = validate_request(
-            self.backend, [request.prompt], request.max_tokens, request.sampling, request.stop_token_ids, chunked=True
-        )
-        backend = self.backend
-        if not backend.row_positions and len(request.prompt) > backend.buckets[-1]:
-            raise GenerationError(
-                f"the prompt has {len(request.prompt)} tokens, beyond the largest prefill bucket "
-                f"{backend.buckets[-1]} ({backend.name} prefills a prompt in one step); shorten it or "
-                f"{backend.remedy('prefill_buckets')}"
-            )
-        if request.stop and self.tokenizer is None:
-            raise GenerationError("stop strings need the model's tokenizer.json, which this model has none of")
-        limit = self.backend.max_sequence_len
-        end = chunk_end(self.backend.buckets, len(checked.rows[0]))
-        if limit is not None and end > limit:
-            raise GenerationError(
-                f"the prompt's {len(request.prompt)} tokens are prefilled in chunks of the largest bucket "
-                f"{self.backend.buckets[-1]}, and the last chunk's bucket reaches position {end}, beyond "
-                f"max_cache_len={limit}; shorten the prompt or {self.backend.remedy('max_cache_len')}"
-            )
-
     def start(self) -> None:
+        """Step in a thread of the scheduler's own (an in-process server); nothing where `run` steps."""
+        if self.driven or self.thread.is_alive():
+            return
         self.backend.reset()
         self.thread.start()
+
+    def run(self, ready: Callable[[], None] = lambda: None) -> None:
+        """Step in the calling thread until `stop`; `ready` is called first, once the rows are
+        this thread's to run (start the HTTP server there)."""
+        self.driven = True
+        self.backend.reset()
+        ready()
+        self._loop()
 
     def stop_admitting(self) -> None:
         with self.cond:
