@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .artifact import FORMATS
-from .cli_args import POSITIVE, Parser, add_generation_args, add_model_args, prompt_ids
+from .cli_args import POSITIVE, Parser, add_format_arg, add_generation_args, add_model_args, prompt_ids
 from .cli_serve import add_serve_parsers
 from .console import console, show_log
 from .errors import StaticrtError
@@ -154,10 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
         "and pt2 programs, against the compiled backend on the same model (which compiles)",
     )
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
+    bench.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help="draw ms/token per backend beside its weight-streaming bound (the plot extra: matplotlib)",
+    )
+    add_format_arg(bench)
 
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
     add_model_args(inspect)
     inspect.add_argument("--batch-size", type=POSITIVE, default=1)
+    add_format_arg(inspect)
     return parser
 
 

@@ -106,3 +106,14 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NE
         default=None,
         help="stop token ids, comma-separated (default: the checkpoint's eos ids)",
     )
+
+
+def add_format_arg(p: argparse.ArgumentParser) -> None:
+    """--format of a command that shows a table."""
+    p.add_argument(
+        "--format",
+        choices=("table", "csv", "markdown"),
+        default="table",
+        help="table (stderr; one block a row where the terminal is too narrow for whole numbers), or csv / "
+        "markdown on stdout, to parse or paste",
+    )

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .cli_args import NON_NEGATIVE, POSITIVE, add_model_args, prompt_ids
+from .cli_args import NON_NEGATIVE, POSITIVE, add_format_arg, add_model_args, prompt_ids
 
 
 def add_serve_parsers(sub: Any) -> None:
@@ -102,3 +102,4 @@ def _add_bench_serve_parser(sub: Any) -> None:
         "--no-transformers", action="store_true", help="skip transformers serve (skipped anyway when not installed)"
     )
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
+    add_format_arg(bench)

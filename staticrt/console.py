@@ -1,9 +1,14 @@
-"""The terminal the CLI talks to: progress and tables on stderr, so stdout carries only results."""
+"""The terminal the CLI talks to: progress and tables on stderr, so stdout carries only results
+(and the tables themselves, when asked for as CSV or Markdown to paste or parse)."""
 
 from __future__ import annotations
 
+import csv
 import logging
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -28,12 +33,67 @@ def show_log() -> None:
     log.setLevel(logging.INFO)
 
 
+@contextmanager
+def progress(label: str) -> Iterator[Callable[[str], None]]:
+    """Yields `update(stage)`. A terminal shows a spinner with the stage; a CI log or a pipe,
+    where a spinner shows nothing, gets each stage as a line with the seconds since the start."""
+    if console.is_terminal:
+        with console.status(label) as status:
+            yield status.update
+        return
+    start = time.perf_counter()
+
+    def update(stage: str) -> None:
+        console.print(f"[{time.perf_counter() - start:7.1f} s] {stage}", markup=False, highlight=False, soft_wrap=True)
+
+    update(label)
+    yield update
+
+
+def _cell(value: Any) -> str:
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
+
+
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     """Row names left and whole, numbers right; floats with two decimals and thousands separators."""
     shown = Table(title=title)
-    for col in columns:
-        first = col == columns[0]  # row names stay whole; numeric headers may wrap
-        shown.add_column(col, justify="left" if first else "right", no_wrap=first)
+    for col in columns:  # headers wrap at spaces; a cell has none to wrap at (show_table checks the width)
+        shown.add_column(col, justify="left" if col == columns[0] else "right", overflow="fold")
     for row in rows:
-        shown.add_row(*(f"{v:,.2f}" if isinstance(v, float) else str(v) for v in row))
+        shown.add_row(*(_cell(v) for v in row))
     return shown
+
+
+def show_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str = "table") -> None:
+    """`rows` as a table on stderr that never cuts a number short: where the terminal is too
+    narrow for every column whole, one block a row, a line a column. `csv` and `markdown` go to
+    stdout, whole whatever the width."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    if fmt == "csv":
+        writer = csv.writer(sys.stdout)
+        writer.writerow(columns)
+        writer.writerows(cells)
+    elif fmt == "markdown":
+        print(f"**{title}**\n")
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "|".join(":---" if i == 0 else "---:" for i in range(len(columns))) + "|")
+        for row in cells:
+            print("| " + " | ".join(row) + " |")
+    elif _table_width(columns, cells) <= console.width:
+        console.print(table(title, columns, rows))
+    else:
+        console.print(title, style="italic", markup=False, highlight=False, soft_wrap=True)
+        label = max(len(c) for c in columns[1:])
+        for row in cells:
+            console.print(row[0], style="bold", markup=False, highlight=False, soft_wrap=True)
+            for col, cell in zip(columns[1:], row[1:]):
+                console.print(f"  {col:<{label}}  {cell}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _table_width(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> int:
+    """Characters a table needs with every cell whole and each header at its longest word:
+    a cell's width, 2 of padding and 1 of border a column, and the last border."""
+    widths = [
+        max([max(len(word) for word in col.split()), *(len(row[i]) for row in cells)]) for i, col in enumerate(columns)
+    ]
+    return sum(w + 3 for w in widths) + 1

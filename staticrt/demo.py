@@ -9,7 +9,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from .console import console, table
+from .console import console, progress, show_table
 
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25], [2, 4, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
 
@@ -27,7 +27,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     console.print(f"[bold]staticrt demo[/] on {args.model}: {len(PROMPTS)} prompts, {args.new_tokens} new tokens each")
     scratch = tempfile.TemporaryDirectory()
     artifact = Path(scratch.name) / "demo"
-    with console.status(
+    with progress(
         "exporting torch.export programs and an ONNX graph (AOTInductor packages take a minute "
         "more to build: `staticrt export` makes them)"
     ):
@@ -49,7 +49,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     }
     results, rows = {}, []
     for name, make in makers.items():
-        with console.status(f"{name}: first run (compiles or exports where the backend does)"):
+        with progress(f"{name}: first run (compiles or exports where the backend does)"):
             start = time.perf_counter()
             gen = make()
             gen.generate(PROMPTS, max_new_tokens=args.new_tokens)
@@ -59,12 +59,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         decode = stats.decode_ms_per_token  # None with one new token: nothing was decoded
         per_second = len(PROMPTS) * 1000 / decode if decode else "n/a"
         rows.append([name, first, 1000 * stats.prefill_s, decode or "n/a", per_second])
-    console.print(
-        table(
-            "tokens/s (decode, batch of 3)",
-            ["backend", "first run s", "prefill ms", "decode ms/step", "tokens/s"],
-            rows,
-        )
+    show_table(
+        "tokens/s (decode, batch of 3)", ["backend", "first run s", "prefill ms", "decode ms/step", "tokens/s"], rows
     )
     return _agree(results)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..console import console, table
+from ..console import console, progress, show_table
 from . import run_bench, write_report
 from .cold_start import cold_start
 
@@ -22,7 +22,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "[yellow]transformers is not installed: skipping the hf backend (pip install 'staticrt[hf]')[/]"
             )
             backends.remove("hf")
-    with console.status("benchmarking") as status:
+    with progress("benchmarking") as update:
         report = run_bench(
             args.model,
             backends,
@@ -35,9 +35,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             window=args.window,
             offload=args.offload,
             device=args.device,
-            on_stage=lambda s: status.update(s),
+            on_stage=update,
         )
     _show(args, report)
+    if args.plot:
+        from .plot import plot_report
+
+        plot_report(report, args.plot)
+        console.print(f"drew {args.plot}")
     if not report["tokens_agree"]:
         console.print("[red]backends produced different tokens[/]")
     if args.json:
@@ -51,6 +56,7 @@ def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
         [
             name,
             r["prompt_len"],
+            "-" if r["compile_s"] is None else r["compile_s"],
             r["prefill_ms"],
             r["decode_ms_per_token"],
             r["tokens_per_s"],
@@ -64,23 +70,9 @@ def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
     title = f"{args.model}, batch {args.batch_size}, {report['device']}, {report['machine']['torch_threads']} threads"
     if args.window:
         title += f", sliding window {args.window}"
-    console.print(
-        table(
-            title,
-            [
-                "backend",
-                "prompt",
-                "prefill ms",
-                "ms/token",
-                "tok/s",
-                "K/V MB read",
-                "cache MB device/host",
-                "% bound",
-                "% bound +K/V",
-            ],
-            rows,
-        )
-    )
+    columns = ["backend", "prompt", "compile s", "prefill ms", "ms/token", "tok/s", "K/V MB read"]
+    columns += ["cache MB device/host", "% bound", "% bound +K/V"]
+    show_table(title, columns, rows, args.format)
     console.print(
         "% bound: weight bytes a decode step reads over the step time, against the streaming rate "
         "sampled before and after each of that backend's timed runs; +K/V adds the cache the step reads",
@@ -103,14 +95,14 @@ def _cache_mb(result: dict[str, Any]) -> str:
 
 
 def _cold_start(args: argparse.Namespace) -> int:
-    with console.status("cold starts") as status:
-        report = cold_start(args.cold_start, ("aoti", "pt2"), on_stage=lambda s: status.update(s))
+    with progress("cold starts") as update:
+        report = cold_start(args.cold_start, ("aoti", "pt2"), on_stage=update)
     rows = [
         [label.removesuffix("_s"), value]
         for label, value in report.items()
         if label.endswith("_s") and label != "isa_probe_s"
     ]
-    console.print(table(f"{args.cold_start}: fresh process to first token", ["programs", "seconds"], rows))
+    show_table(f"{args.cold_start}: fresh process to first token", ["programs", "seconds"], rows, args.format)
     console.print(
         f"compiled / aoti: {report['compiled_over_aoti']:.1f}x (after a one-time CPU-ISA probe of "
         f"{report['isa_probe_s']:.1f} s that every inductor user pays once a machine)"

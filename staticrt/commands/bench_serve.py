@@ -8,7 +8,7 @@ from typing import Any
 
 from ..bench import write_report
 from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
-from ..console import console, table
+from ..console import console, progress, show_table
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -29,9 +29,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         transformers=transformers,
     )
-    with console.status("bench-serve") as status:
-        report = run_serve_bench(request, on_stage=lambda s: status.update(s))
-    _show(request, report)
+    with progress("bench-serve") as update:
+        report = run_serve_bench(request, on_stage=update)
+    _show(request, report, args.format)
     if args.json:
         write_report(report, args.json)
         console.print(f"wrote {args.json}")
@@ -43,7 +43,7 @@ def _ms(stats: dict[str, Any] | None, key: str) -> Any:
     return "-" if value is None else float(value)
 
 
-def _show(request: ServeBenchRequest, report: dict[str, Any]) -> None:
+def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
     rows = []
     for name, r in report["results"].items():
         if "error" in r:
@@ -68,7 +68,7 @@ def _show(request: ServeBenchRequest, report: dict[str, Any]) -> None:
         f"{report['machine']['torch_threads']} threads"
     )
     columns = ["contender", "done", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
-    console.print(table(title, columns, rows))
+    show_table(title, columns, rows, fmt)
     for name, r in report["results"].items():
         for error in r.get("errors", []):
             console.print(f"[red]{name}: {error}[/]", soft_wrap=True)

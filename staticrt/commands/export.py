@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifact import FORMATS
-from ..console import console
+from ..console import console, progress
 from ..errors import ArtifactError
 
 
@@ -39,7 +39,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}) to {out}"
     )
     start = time.perf_counter()
-    with console.status("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
+    with progress("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
         export_artifact(
             model,
             CacheSpec(recipe.cache, recipe.batch_size, recipe.max_cache_len, recipe.window),

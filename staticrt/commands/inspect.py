@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..console import console, table
+from ..console import console, show_table
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -34,7 +34,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if cache.window:
         title += f", window {cache.window}"
     columns = ["layer", "attention", "cache", "held in", "K and V shape [B,H_kv,L,D]", "bytes"]
-    console.print(table(title, columns, rows))
+    show_table(title, columns, rows, args.format)
     ours, host, full = cache.device_bytes(), cache.host_bytes(), static.device_bytes()
     console.print(
         f"device bytes (K/V{', working buffers' if host else ''} and lengths): {ours:,}; host bytes: "

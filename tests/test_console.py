@@ -1,0 +1,84 @@
+"""Tables never cut a number short, CSV and Markdown are whole, progress shows without a terminal,
+and `bench --plot` draws a picture (speed itself lives in bench JSON, not in tests)."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+
+from staticrt.cli import main
+from staticrt.console import console, progress, show_table
+
+COLUMNS = ["backend", "prompt", "prefill ms", "ms/token", "tok/s"]
+ROWS = [["compiled", 32, 1234567.891, 9.5, "-"], ["hf", 32, 2.0, 12.25, 81.63]]
+
+
+def test_a_wide_terminal_gets_a_table_with_every_number_whole(monkeypatch, capsys):
+    monkeypatch.setattr(console, "width", 120)
+    show_table("bench", COLUMNS, ROWS)
+    err = capsys.readouterr().err
+    assert "1,234,567.89" in err and "81.63" in err and "…" not in err
+    assert "┃ backend" in err
+
+
+def test_a_narrow_terminal_gets_one_block_a_row_instead_of_cut_numbers(monkeypatch, capsys):
+    monkeypatch.setattr(console, "width", 30)
+    show_table("bench", COLUMNS, ROWS)
+    assert capsys.readouterr().err.splitlines() == [
+        "bench",
+        "compiled",
+        "  prompt      32",
+        "  prefill ms  1,234,567.89",
+        "  ms/token    9.50",
+        "  tok/s       -",
+        "hf",
+        "  prompt      32",
+        "  prefill ms  2.00",
+        "  ms/token    12.25",
+        "  tok/s       81.63",
+    ]
+
+
+def test_csv_and_markdown_go_to_stdout_whole(capsys):
+    show_table("bench", COLUMNS, ROWS, "csv")
+    out = capsys.readouterr().out
+    assert list(csv.reader(io.StringIO(out))) == [
+        COLUMNS,
+        ["compiled", "32", "1,234,567.89", "9.50", "-"],
+        ["hf", "32", "2.00", "12.25", "81.63"],
+    ]
+    show_table("bench", COLUMNS, ROWS, "markdown")
+    assert capsys.readouterr().out.splitlines() == [
+        "**bench**",
+        "",
+        "| backend | prompt | prefill ms | ms/token | tok/s |",
+        "|:---|---:|---:|---:|---:|",
+        "| compiled | 32 | 1,234,567.89 | 9.50 | - |",
+        "| hf | 32 | 2.00 | 12.25 | 81.63 |",
+    ]
+
+
+def test_progress_without_a_terminal_prints_each_stage_as_a_line(capsys):
+    with progress("benchmarking") as update:
+        update("eager: warm-up")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == ["benchmarking", "eager: warm-up"]
+    assert all(line.startswith("[") and line.split("]")[0].endswith(" s") for line in lines)
+
+
+def test_bench_writes_csv_with_compile_time_and_draws_the_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (in the test extra)")
+    from matplotlib.image import imread
+
+    plot = tmp_path / "plots" / "bench.png"
+    command = ["bench", "--model", "tiny-llama", "--backends", "eager,compiled", "--new-tokens", "3"]
+    assert main([*command, "--prompt-len", "8", "--repeats", "1", "--format", "csv", "--plot", str(plot)]) == 0
+    captured = capsys.readouterr()
+    rows = {row[0]: row for row in csv.reader(io.StringIO(captured.out))}
+    assert rows["backend"][:4] == ["backend", "prompt", "compile s", "prefill ms"]
+    assert rows["eager"][2] == "0.00"  # eager compiles nothing
+    assert float(rows["compiled"][2]) > 0  # the compiled backend's first compile, apart from prefill
+    assert "drew " in captured.err
+    assert imread(plot).ndim == 3 and not list(plot.parent.glob(".*.tmp"))
