@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -98,14 +99,31 @@ def test_artifact_tokens_equal_the_eager_backend(artifacts, name, fmt):
     assert key.data_ptr() == address and key.abs().sum() > 0
 
 
+def test_pt2_programs_carry_no_weight_bytes_the_weights_file_holds_each_once(artifacts):
+    from safetensors import safe_open
+
+    folder = artifacts["tiny-llama"]
+    constants = json.loads((folder / "manifest.json").read_text())["constants"]
+    with safe_open(str(folder / "weights.safetensors"), "pt") as weights:
+        assert sorted(weights.keys()) == sorted(name for name in constants if name.startswith("model."))
+    for program in (folder / "pt2").glob("*.pt2"):
+        with zipfile.ZipFile(program) as archive:
+            payloads = [i for i in archive.infolist() if "/data/weights/weight_" in i.filename]
+            # every weight and cache buffer: one element (4 or 8 bytes), stretched to its shape at save
+            assert payloads and max(i.file_size for i in payloads) <= 8, program
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_program_mutates_each_cache_buffer_in_place_and_copies_none(artifacts, name):
     """Walk the decode program after functionalisation (what AOTInductor compiles). The export
     records each cache K/V buffer as a buffer mutation, produced by one scatter (`index_put`) of
     the step's entries; any other op whose result is as large as a cache buffer and is not a view
     (a clone, a copy, a cat, a where over the buffer) would be a per-step copy of it, and fails."""
-    program = torch.export.load(str(artifacts[name] / "pt2" / "decode.pt2")).run_decompositions({})
+    from staticrt.backends.exported import load_constants, with_constants
+
     manifest = json.loads((artifacts[name] / "manifest.json").read_text())
+    saved = torch.export.load(str(artifacts[name] / "pt2" / "decode.pt2"))
+    program = with_constants(saved, load_constants(artifacts[name], manifest)).run_decompositions({})
     cache_buffers = {n: c for n, c in manifest["constants"].items() if re.fullmatch(r"cache\.(key|value)_\d+", n)}
     mutated = program.graph_signature.buffers_to_mutate  # output node name -> buffer
     assert sorted(v for v in mutated.values() if v in cache_buffers) == sorted(cache_buffers)

@@ -71,6 +71,20 @@ def _aoti_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
     return lambda *inputs: runner.run(list(inputs))[0]
 
 
+def with_constants(
+    program: torch.export.ExportedProgram, constants: dict[str, torch.Tensor]
+) -> torch.export.ExportedProgram:
+    """`program` (a pt2 file of an artifact, torch.export.load-ed) with the artifact's weights and
+    cache state (`load_constants`) put in place of the one-element stand-ins it was saved with, as
+    it needs to be lowered or run outside staticrt (ExecuTorch, AOTInductor, `module()`)."""
+    for name, stand_in in program.state_dict.items():
+        tensor = constants[name]
+        program.state_dict[name] = (
+            torch.nn.Parameter(tensor, False) if isinstance(stand_in, torch.nn.Parameter) else tensor
+        )
+    return program
+
+
 def _pt2_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
     module = torch.export.load(str(path)).module()
     for name, tensor in constants.items():

@@ -9,7 +9,8 @@ weights exist once.
 
 Files, beside manifest.json:
   weights.safetensors   every weight once, in the layout the programs were traced with
-  pt2/NAME.pt2          torch.export programs (format "pt2"), run by `ExportedProgram.module()`
+  pt2/NAME.pt2          torch.export programs without weights (format "pt2"), run by
+                        `ExportedProgram.module()` once the loader has put the weights in
   aoti/NAME.pt2         AOTInductor packages without weights inside (format "aoti"): they load with
                         no model source and no compile
 """
@@ -17,7 +18,8 @@ Files, beside manifest.json:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,24 @@ def constant_layouts(constants: dict[str, torch.Tensor]) -> dict[str, dict[str, 
     }
 
 
+@contextmanager
+def hollow_state(programs: dict[str, torch.export.ExportedProgram]) -> Iterator[None]:
+    """Within: every program's weights and buffers are one element each, stretched (stride 0) to
+    their shape and dtype, so `torch.export.save` writes the graph and no weight bytes. The loader
+    replaces each of them with the one tensor weights.safetensors holds (backends/exported.py);
+    saved whole, each program carried its own copy of every weight."""
+    saved = {name: dict(ep.state_dict) for name, ep in programs.items()}
+    try:
+        for ep in programs.values():
+            for key, tensor in ep.state_dict.items():
+                hollow = torch.zeros((), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+                ep.state_dict[key] = nn.Parameter(hollow, False) if isinstance(tensor, nn.Parameter) else hollow
+        yield
+    finally:
+        for name, ep in programs.items():
+            ep.state_dict.update(saved[name])
+
+
 def write_torch(
     folder: Path, step: StepProgram, buckets: Sequence[int], formats: Sequence[str], timed: Timed
 ) -> dict[str, Any]:
@@ -108,7 +128,7 @@ def write_torch(
     programs = timed("trace (torch.export)", lambda: export_programs(step, batch, buckets))
     if "pt2" in formats:
         (folder / "pt2").mkdir()
-        with warnings.catch_warnings():  # torch.export.save notes that CPU weights share no storage group
+        with warnings.catch_warnings(), hollow_state(programs):  # save notes CPU weights share no storage group
             warnings.filterwarnings("ignore", message="No complete tensor found")
             timed(
                 "write .pt2 programs",
