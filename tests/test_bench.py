@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import re
 import statistics
 
 import pytest
 
 from staticrt.bench import BenchError, run_bench
+from staticrt.cli import main
 
 
 def test_sliding_bench_compares_the_same_tokens_as_transformers():
@@ -31,8 +35,23 @@ def test_sliding_bench_compares_the_same_tokens_as_transformers():
     assert runs["eager-sliding"]["kv_bytes_per_step"] == runs["eager-static"]["kv_bytes_per_step"] == 32768
 
 
-def test_each_backend_is_held_against_the_streaming_rate_sampled_around_its_own_runs():
-    report = run_bench("tiny-llama", ["eager", "compiled"], new_tokens=4, prompt_len=16, repeats=3, device="cpu")
+def test_each_backend_is_held_against_the_streaming_rate_sampled_around_its_own_runs(tmp_path, capsys):
+    """Through the CLI, which also prints the table as CSV (compile time apart) and draws the plot."""
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (in the test extra)")
+    from matplotlib.image import imread
+
+    plot, out = tmp_path / "plots" / "bench.png", tmp_path / "bench.json"
+    command = ["bench", "--model", "tiny-llama", "--backends", "eager,compiled", "--new-tokens", "4", "--device", "cpu"]
+    command += ["--prompt-len", "16", "--repeats", "3", "--format", "csv", "--plot", str(plot), "--json", str(out)]
+    assert main(command) == 0
+    captured = capsys.readouterr()
+    rows = {row[0]: row for row in csv.reader(io.StringIO(captured.out))}
+    assert rows["backend"][:4] == ["backend", "prompt", "compile s", "prefill ms"]
+    assert rows["eager"][2] == "0.00"  # eager compiles nothing
+    assert float(rows["compiled"][2]) > 0  # the compiled backend's first compile, apart from prefill
+    assert "drew " in captured.err
+    assert imread(plot).ndim == 3 and not list(plot.parent.glob(".*.tmp"))
+    report = json.loads(out.read_text())
     eager, compiled = report["backends"]["eager"], report["backends"]["compiled"]
     # rounds alternate, a sample before every timed run and one after the last: s0 eager s1
     # compiled s2 eager s3 compiled s4 eager s5 compiled s6; each backend gets the samples around

@@ -1,14 +1,10 @@
-"""Tables never cut a number short, CSV and Markdown are whole, progress shows without a terminal,
-and `bench --plot` draws a picture (speed itself lives in bench JSON, not in tests)."""
+"""Tables never cut a number short, CSV and Markdown are whole, progress shows without a terminal."""
 
 from __future__ import annotations
 
 import csv
 import io
 
-import pytest
-
-from staticrt.cli import main
 from staticrt.console import console, progress, show_table
 
 COLUMNS = ["backend", "prompt", "prefill ms", "ms/token", "tok/s"]
@@ -66,19 +62,3 @@ def test_progress_without_a_terminal_prints_each_stage_as_a_line(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["benchmarking", "eager: warm-up"]
     assert all(line.startswith("[") and line.split("]")[0].endswith(" s") for line in lines)
-
-
-def test_bench_writes_csv_with_compile_time_and_draws_the_plot(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (in the test extra)")
-    from matplotlib.image import imread
-
-    plot = tmp_path / "plots" / "bench.png"
-    command = ["bench", "--model", "tiny-llama", "--backends", "eager,compiled", "--new-tokens", "3"]
-    assert main([*command, "--prompt-len", "8", "--repeats", "1", "--format", "csv", "--plot", str(plot)]) == 0
-    captured = capsys.readouterr()
-    rows = {row[0]: row for row in csv.reader(io.StringIO(captured.out))}
-    assert rows["backend"][:4] == ["backend", "prompt", "compile s", "prefill ms"]
-    assert rows["eager"][2] == "0.00"  # eager compiles nothing
-    assert float(rows["compiled"][2]) > 0  # the compiled backend's first compile, apart from prefill
-    assert "drew " in captured.err
-    assert imread(plot).ndim == 3 and not list(plot.parent.glob(".*.tmp"))
