@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import staticrt
+from staticrt.errors import GenerationError
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +182,9 @@ def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_o
     assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 9
     assert "_is_mkldnn_acl_supported" in asked  # the pack pass asked which library, and heard oneDNN
     assert tokens == staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(prompts, max_new_tokens=24)
+    assert compiled.generate(prompts, max_new_tokens=24) == tokens  # a second generation: the same graphs
+    # Weights changed in place are not in the frozen graph: refused by name, not computed with the old ones.
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(2)
+    with pytest.raises(GenerationError, match="weights changed in place after its decode graph froze them"):
+        compiled.generate(prompts, max_new_tokens=24)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import GenerationError
 from ..generate import SamplingParams
 from .eager import EagerBackend, StepFn, run_step
 from .guards import code_past_guards
@@ -62,8 +63,9 @@ def frozen_decode_weights() -> Iterator[None]:
     packed GEMM (no faster) unless it believes oneDNN is the only path (its `acl` check); the
     second patch answers that check, for the pack pass alone. Torch does not promise either
     name: where they are gone, the graph compiles as before (same tokens, slower).
-    Frozen weights are constants of the graph: weights changed in place afterwards are not seen
-    (a new Generator compiles afresh); each frozen graph holds its own packed copy.
+    Frozen weights are constants of the graph, each frozen graph holding its own packed copy; a
+    generation after weights changed in place is refused (`CompiledBackend.step`), never computed
+    with the old ones.
     """
     import torch._inductor.config as inductor_config
 
@@ -96,6 +98,7 @@ class CompiledBackend(EagerBackend):
         self._graphs: dict[tuple[int, bool], StepFn] = {}
         self._checked: dict[tuple[int, bool], StepFn] = {}  # what runs a graph whose guards passed this generation
         self._built: set[tuple[int, bool]] = set()  # graphs that have run once: compiled (and captured)
+        self._frozen_weights: list[tuple[int, int]] | None = None  # weights as a frozen graph holds them
 
     def reset(self) -> None:
         super().reset()
@@ -113,11 +116,24 @@ class CompiledBackend(EagerBackend):
         if the model changed between generations); the rest run `past_guards` of it (guards.py).
         A `stream` callback must not change the model or the cache in the middle of a generation."""
         key = (input_ids.shape[1], uniforms is not None)
-        with self.compiling(key[0]) if key not in self._checked else nullcontext():
+        if key in self._checked:
+            return super().step(input_ids, write_index, num_new, sampling, uniforms)
+        freezes = self.freezes(key[0])
+        if freezes and self._frozen_weights not in (None, self._weight_stamps()):
+            raise GenerationError(
+                "the model's weights changed in place after its decode graph froze them (CPU decode graphs "
+                "hold the weights as they were at compile); build a new Generator for the changed model"
+            )
+        with frozen_decode_weights() if freezes else nullcontext():
             next_ids = super().step(input_ids, write_index, num_new, sampling, uniforms)
-        if key not in self._checked:
-            self._checked[key] = self.past_guards(self._graphs[key])
+        if freezes and self._frozen_weights is None:
+            self._frozen_weights = self._weight_stamps()
+        self._checked[key] = self.past_guards(self._graphs[key])
         return next_ids
+
+    def _weight_stamps(self) -> list[tuple[int, int]]:
+        """Where each weight lives and its in-place write count: what a frozen graph is valid for."""
+        return [(p.data_ptr(), p._version) for p in self.model.parameters()]
 
     def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
         """Compile (and, on CUDA, capture) each graph a generation will use for the first time, by
@@ -141,13 +157,12 @@ class CompiledBackend(EagerBackend):
             log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
         return spent
 
-    def compiling(self, seq_len: int) -> Any:
-        """The context a graph of width `seq_len` is traced and compiled in: a CPU decode graph
-        with frozen, oneDNN-packed weights (`frozen_decode_weights`) where the matrices are large
-        enough to repay oneDNN's ~20 µs a call (hidden size `FREEZE_MIN_HIDDEN` and up); prefill
-        graphs, whose GEMMs have B*T rows and run at MKL's full speed, keep the weights as inputs."""
-        frozen = seq_len == 1 and self.device.type == "cpu" and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
-        return frozen_decode_weights() if frozen else nullcontext()
+    def freezes(self, seq_len: int) -> bool:
+        """Whether a graph of width `seq_len` compiles with frozen, oneDNN-packed weights
+        (`frozen_decode_weights`): a CPU decode graph whose matrices are large enough to repay
+        oneDNN's ~20 µs a call (hidden size `FREEZE_MIN_HIDDEN` and up). Prefill graphs, whose
+        GEMMs have B*T rows and run at MKL's full speed, keep the weights as inputs."""
+        return seq_len == 1 and self.device.type == "cpu" and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
 
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code
