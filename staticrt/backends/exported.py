@@ -75,8 +75,12 @@ def with_constants(
     program: torch.export.ExportedProgram, constants: dict[str, torch.Tensor]
 ) -> torch.export.ExportedProgram:
     """`program` (a pt2 file of an artifact, torch.export.load-ed) with the artifact's weights and
-    cache state (`load_constants`) put in place of the one-element stand-ins it was saved with, as
-    it needs to be lowered or run outside staticrt (ExecuTorch, AOTInductor, `module()`)."""
+    cache state (`load_constants`) put in place of the one-element stand-ins it was saved with: the
+    loader runs it so, every program sharing the same tensors, and so it can be lowered or run
+    outside staticrt (ExecuTorch, AOTInductor, `module()`)."""
+    missing = [name for name in program.state_dict if name not in constants]
+    if missing:
+        raise ArtifactError(f"a pt2 program needs constants {missing[:3]} that manifest.json does not list; {REEXPORT}")
     for name, stand_in in program.state_dict.items():
         tensor = constants[name]
         program.state_dict[name] = (
@@ -86,14 +90,7 @@ def with_constants(
 
 
 def _pt2_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
-    module = torch.export.load(str(path)).module()
-    for name, tensor in constants.items():
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name)
-        slot = owner._parameters if leaf in owner._parameters else owner._buffers
-        if leaf in slot:  # parameters and buffers alike: the shared tensor replaces the program's copy
-            slot[leaf] = tensor
-    return module
+    return with_constants(torch.export.load(str(path)), constants).module()
 
 
 class ExportedBackend(ArtifactBackend):
