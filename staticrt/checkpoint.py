@@ -19,6 +19,8 @@ from .errors import CheckpointError, first_line
 from .generation_config import read_generation_defaults
 from .model import Decoder, init_random, use_column_major_weights
 from .presets import PRESETS
+from .quant_spec import QuantSpec, parse_quantize
+from .quantize import quantize_weights, quantized_dtype
 from .rope import inverse_frequencies
 from .tokenizer import load_tokenizer
 
@@ -124,16 +126,27 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
     return dataclasses.replace(config, eos_token_ids=eos) if eos else config
 
 
-def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.float32, device: str = "cpu") -> Decoder:
+def load_model(
+    path_or_preset: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str = "cpu",
+    quantize: str | None = None,
+) -> Decoder:
     """A preset name (`tiny-llama`, ...) or a Hugging Face checkpoint folder -> `Decoder` in
-    inference mode. The folder's `tokenizer.json`, when present, is loaded as `model.tokenizer`."""
-    dtype = resolve_dtype(dtype)
+    inference mode. The folder's `tokenizer.json`, when present, is loaded as `model.tokenizer`.
+
+    `quantize` ("int8", "int4", "int4-g64", ...; see `staticrt.quantize`) stores the projections
+    and head in fewer bytes with torchao; the model then computes in bfloat16 unless `dtype` says
+    float16. `dtype` defaults to float32 for a float model.
+    """
+    spec = parse_quantize(quantize)
+    dtype = quantized_dtype(spec, None if dtype is None else resolve_dtype(dtype))
     config = load_config(path_or_preset)
     if str(path_or_preset) in PRESETS:
         model = init_random(Decoder(config), seed=0).to(dtype=dtype, device=device)
         model.tokenizer = None
         model.source = str(path_or_preset)
-        return _ready(model)
+        return _ready(model, spec)
     folder = Path(path_or_preset)
     state = _read_state_dict(_weight_files(folder), dtype)
     config = _head_of(config, state, str(folder))
@@ -145,12 +158,14 @@ def load_model(path_or_preset: str | Path, dtype: torch.dtype | str = torch.floa
     model = model.to(device)
     model.tokenizer = load_tokenizer(folder)
     model.source = str(folder)
-    return _ready(model)
+    return _ready(model, spec)
 
 
-def _ready(model: Decoder) -> Decoder:
-    """Inference mode, and on CPU the weight layout that decodes fastest there."""
+def _ready(model: Decoder, spec: QuantSpec | None) -> Decoder:
+    """Inference mode, quantized weights if asked, and on CPU the layout that decodes fastest there."""
     model = model.eval().requires_grad_(False)
+    if spec is not None:
+        quantize_weights(model, spec)
     if next(model.parameters()).device.type == "cpu":
         use_column_major_weights(model)
     return model

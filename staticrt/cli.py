@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from .artifact import FORMATS
-from .cli_args import POSITIVE, Parser, add_format_arg, add_generation_args, add_model_args, prompt_ids
+from .cli_args import (
+    POSITIVE,
+    Parser,
+    add_format_arg,
+    add_generation_args,
+    add_model_args,
+    add_quantize_arg,
+    prompt_ids,
+)
 from .cli_serve import add_serve_parsers
 from .console import console, show_log
 from .errors import StaticrtError
@@ -128,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="timed rounds after every backend's warm-up; a round runs each backend once, in turn",
     )
     bench.add_argument("--threads", type=POSITIVE, default=None, help="torch CPU threads")
-    bench.add_argument("--dtype", default="float32")
+    bench.add_argument(
+        "--dtype",
+        default="float32",
+        help="of the float weights (default float32); quantized variants compute in bfloat16",
+    )
+    add_quantize_arg(bench, several=True)
     bench.add_argument(
         "--window",
         type=POSITIVE,

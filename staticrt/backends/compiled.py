@@ -161,8 +161,14 @@ class CompiledBackend(EagerBackend):
         """Whether a graph of width `seq_len` compiles with frozen, oneDNN-packed weights
         (`frozen_decode_weights`): a CPU decode graph whose matrices are large enough to repay
         oneDNN's ~20 µs a call (hidden size `FREEZE_MIN_HIDDEN` and up). Prefill graphs, whose
-        GEMMs have B*T rows and run at MKL's full speed, keep the weights as inputs."""
-        return seq_len == 1 and self.device.type == "cpu" and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
+        GEMMs have B*T rows and run at MKL's full speed, keep the weights as inputs; so do quantized
+        weights, whose kernels read them as they are (freezing would fold them back into floats)."""
+        return (
+            seq_len == 1
+            and self.device.type == "cpu"
+            and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
+            and self.model.quantization is None
+        )
 
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code

@@ -33,6 +33,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             threads=args.threads,
             dtype=args.dtype,
             window=args.window,
+            quantize=tuple(q.strip() for q in args.quantize.split(",") if q.strip()),
             offload=args.offload,
             device=args.device,
             on_stage=update,
@@ -79,9 +80,9 @@ def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
         soft_wrap=True,
     )
     rates = ", ".join(f"{name} {r['matvec_bytes_per_s'] / 1e9:.1f}" for name, r in report["backends"].items())
+    weights = ", ".join(f"{q} {b / 1e6:.1f}" for q, b in report["weight_bytes_per_step"].items())
     console.print(
-        f"weights read per decode step: {report['weight_bytes_per_step'] / 1e6:.1f} MB; "
-        f"matrix-vector streaming rate (GB/s): {rates}",
+        f"weights read per decode step (MB): {weights}; matrix-vector streaming rate (GB/s): {rates}",
         soft_wrap=True,
     )
     for key, value in report["ratios"].items():

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import BenchError
+from ..quant_spec import parse_quantize
+
+FLOAT_ONLY = ("hf", "onnx")  # transformers' model and the exported graph take float weights only
 
 # The defaults of `staticrt bench` and `run_bench`: a short prompt and enough tokens that the
 # median decode step is stable.
@@ -18,7 +21,9 @@ NEW_TOKENS, PROMPT_LEN, REPEATS = 64, 32, 5
 @dataclass(frozen=True)
 class BenchRequest:
     """A benchmark as asked for. With `window`, every layer gets that sliding window; with
-    `offload`, each staticrt backend also runs with an OffloadedStatic cache."""
+    `offload`, each staticrt backend also runs with an OffloadedStatic cache. Each of `quantize`
+    ("none", "int8", "int4-g64", ...) is a variant of the weights that every torch backend runs
+    beside the others; transformers and ONNX Runtime run the float weights only."""
 
     model: str
     backends: tuple[str, ...]
@@ -31,9 +36,17 @@ class BenchRequest:
     window: int | None = None
     offload: bool = False
     device: str | None = None
+    quantize: tuple[str, ...] = ("none",)
 
     def check(self) -> None:
         """Refuse a combination that cannot run, naming the option, before anything is loaded."""
+        for name in self.quantize:
+            parse_quantize(name)
+        if self.quantize and all(name in FLOAT_ONLY for name in self.backends) and "none" not in self.quantize:
+            raise BenchError(
+                f"--quantize {','.join(self.quantize)}: backends {', '.join(self.backends)} run the float weights "
+                "only; add a torch backend (eager, compiled, cudagraph) or none to --quantize"
+            )
         if self.window is not None and self.offload:
             raise BenchError("--window and --offload compare different things; run them one at a time")
         if self.offload and "onnx" in self.backends:
@@ -63,6 +76,7 @@ class Run:
     prompts: list[list[int]]
     attended: int
     max_cache_len: int | None = None
+    quantize: str = "none"
 
 
 def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int]]:
@@ -76,7 +90,19 @@ def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     SlidingWindow cache past the window ("NAME-sliding") and a Static cache of `window` positions
     ("NAME-static": the same attended length, so the only difference is the rotating buffer),
     and "hf" with transformers' sliding-window cache; with `offload`, each staticrt backend with
-    a Static ("NAME-static") and an OffloadedStatic ("NAME-offloaded") cache."""
+    a Static ("NAME-static") and an OffloadedStatic ("NAME-offloaded") cache. A quantized variant
+    of the weights is a backend of its own, "NAME-int8", run with the same caches."""
+    runs = _float_runs(request, prompts)
+    quantized = [
+        dataclasses.replace(run, label=f"{run.backend}-{quantize}{run.label[len(run.backend) :]}", quantize=quantize)
+        for quantize in request.quantize
+        for run in runs
+        if quantize != "none" and run.backend not in FLOAT_ONLY
+    ]
+    return [run for run in runs if "none" in request.quantize or run.backend in FLOAT_ONLY] + quantized
+
+
+def _float_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     full = request.prompt_len + request.new_tokens
     runs = []
     for name in request.backends:

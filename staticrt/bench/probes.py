@@ -7,15 +7,24 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config import ModelConfig
 from ..model import Decoder
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """The bytes `tensor` holds: a quantized weight (a tensor subclass) counts its inner tensors."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
 def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
-    """Bytes of weights one decode step reads: every matrix once, but of an untied embedding
-    table only the looked-up rows."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights one decode step reads: every matrix once (as stored: int8 / int4 with
+    their scales when quantized), but of an untied embedding table only the looked-up rows."""
+    total = sum(stored_bytes(p) for p in model.parameters())
     embed = model.embed_tokens.weight
     if model.lm_head is not None:
         total -= embed.numel() * embed.element_size()

@@ -17,12 +17,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..artifact_write import check_target
     from ..caches import CacheSpec
     from ..checkpoint import load_model
-    from ..exporters import export_artifact
+    from ..exporters import check_exportable, export_artifact
+    from ..quant_spec import parse_quantize
 
     recipe = _recipe(args)
+    spec = parse_quantize(recipe.quantize)
+    check_exportable(spec and spec.name)
     out = args.out or Path("artifacts") / recipe.name
     check_target(out)
-    model = load_model(recipe.model, dtype=recipe.dtype)
+    model = load_model(recipe.model, dtype=recipe.dtype, quantize=recipe.quantize)
 
     def copy_tokenizer(folder: Path) -> None:
         """What a client needs beside the programs: the tokenizer, its chat template, the eos ids."""
@@ -81,4 +84,5 @@ def _recipe(args: argparse.Namespace) -> Any:
         formats=formats or FORMATS,
         dtype=args.dtype,
         window=args.window,
+        quantize=args.quantize,
     )

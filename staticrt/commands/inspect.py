@@ -11,8 +11,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..caches import CacheSpec, build_cache, resolve_max_cache_len
     from ..checkpoint import load_config
     from ..dtypes import resolve_dtype
+    from ..quant_spec import parse_quantize
+    from ..quantize import quantized_dtype
 
-    config, dtype = load_config(args.model), resolve_dtype(args.dtype)
+    # the cache holds what the model computes in: bfloat16 by default for quantized weights
+    dtype = quantized_dtype(parse_quantize(args.quantize), args.dtype and resolve_dtype(args.dtype))
+    config = load_config(args.model)
     max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
     cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len, args.window), dtype, "meta")
     static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")

@@ -37,6 +37,11 @@ def open_source(args: argparse.Namespace) -> Source:
 
         if args.model:
             raise GenerationError("give an artifact folder or --model, not both")
+        if args.quantize not in (None, "none") or args.dtype:
+            raise GenerationError(
+                "an artifact's weights and dtype were fixed when it was exported; drop --quantize/--dtype, or "
+                "export again with them: staticrt export --model ... --quantize ..."
+            )
         gen = load_artifact(args.artifact, backend=args.backend, threads=args.threads)
         folder = Path(args.artifact)
         return Source(str(folder), None, gen, load_tokenizer(folder), read_generation_defaults(folder))
@@ -45,7 +50,7 @@ def open_source(args: argparse.Namespace) -> Source:
     from ..checkpoint import load_model
     from ..presets import PRESETS
 
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     defaults = GenerationDefaults() if args.model in PRESETS else read_generation_defaults(args.model)
     return Source(args.model, model, None, model.tokenizer, defaults)
 

@@ -76,8 +76,19 @@ def export_artifact(
     return write_artifact(target, build)
 
 
+def check_exportable(quantize: str | None) -> None:
+    """Refuse quantized weights, which no exporter writes yet: torchao's tensor subclasses have no
+    safetensors form, and the ONNX graph would dequantize them back to floats."""
+    if quantize is not None:
+        raise ArtifactError(
+            f"exporting {quantize} weights is not supported yet; export the float model (drop --quantize, or "
+            "quantize from the recipe), or run the quantized model with --backend eager, compiled or cudagraph"
+        )
+
+
 def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], formats: Sequence[str]) -> KVCache:
     """The cache the programs are traced with, once every input has been checked."""
+    check_exportable(model.quantization and model.quantization.name)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")

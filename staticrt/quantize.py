@@ -1,0 +1,106 @@
+"""Weight-only int8 / int4 quantization of a loaded `Decoder`, with torchao (the `quant` extra).
+
+Decode at small batch streams every weight once a token, so a weight stored in fewer bytes is a
+faster token. torchao replaces each projection's weight with a quantized tensor subclass whose
+`linear` runs torch's weight-only kernels: `_weight_int8pack_mm` (int8, one scale an output
+channel) and `_weight_int4pack_mm_for_cpu` / tinygemm on CUDA (int4, an asymmetric scale and zero
+a group of `group_size` inputs). Both kernels take bfloat16 activations: with float32 ones the
+CPU kernels run at a third (int8) to a fifth (int4) of fp32 BLAS's speed (docs/measurements.md),
+so a quantized model computes in bfloat16 (or float16 on CUDA) and refuses float32.
+
+What is quantized: every projection (the fused q/k/v and gate/up, o, down) to `spec`, and the
+head to int8 whatever `spec` says: at int4 the head alone raised SmolLM2-135M's perplexity by 5.6%,
+at int8 by 0.3% (tests/test_real_model.py). A tied head gets its own quantized copy, since the head
+is a fifth of a small model's bytes and is read in full every token, while the embedding table is
+only gathered from, a row a token, and stays in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+from .errors import ConfigError
+from .quant_spec import INT4_GROUP_SIZES, QuantSpec
+
+QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.dtype:
+    """The compute dtype of a model loaded with `spec`: `dtype`, or by default float32 for a float
+    model and bfloat16 for a quantized one; float32 with quantization is refused."""
+    if spec is None:
+        return dtype or torch.float32
+    if dtype is None:
+        return torch.bfloat16
+    if dtype not in QUANTIZED_DTYPES:
+        raise ConfigError(
+            f"quantize {spec.name!r} with dtype {str(dtype).removeprefix('torch.')}: torch's int8/int4 weight "
+            "kernels take bfloat16 (or float16) activations, and with float32 ones run slower than float32 "
+            "weights; use --dtype bfloat16, or leave --dtype out (it then defaults to bfloat16)"
+        )
+    return dtype
+
+
+def _torchao_config(spec: QuantSpec, device: torch.device) -> object:
+    """torchao's config for `spec` on `device`."""
+    # On import torchao logs a line for each optional CUDA library it cannot load, and torch one
+    # for each of its enums; none of them is the user's concern.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+    except ImportError as err:
+        raise ConfigError(
+            f"quantize {spec.name!r} needs torchao ({err}); install it with: pip install 'staticrt[quant]'"
+        ) from None
+    finally:
+        pytree_log.setLevel(level)
+    # set_inductor_config=False: torchao would otherwise change inductor's global settings.
+    if spec.bits == 8:
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    if device.type == "cpu":
+        return PrototypeInt4WeightOnlyConfig(group_size=spec.group_size, set_inductor_config=False)
+    return Int4WeightOnlyConfig(
+        group_size=spec.group_size, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+    )
+
+
+def quantize_weights(model: nn.Module, spec: QuantSpec) -> nn.Module:
+    """Quantize `model`'s projections and head in place (see the module docstring); returns it.
+
+    Every shape is checked before any weight changes: an int4 group must divide each projection's
+    input size, or the model is refused with the sizes and the group sizes that fit.
+    """
+    config = model.config
+    weight = model.embed_tokens.weight
+    if weight.dtype not in QUANTIZED_DTYPES:
+        quantized_dtype(spec, weight.dtype)  # raises: the model was loaded in float32
+    if spec.bits == 4:
+        sizes = sorted({m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)})
+        fits = [g for g in INT4_GROUP_SIZES if all(size % g == 0 for size in sizes)]
+        if spec.group_size not in fits:
+            raise ConfigError(
+                f"quantize {spec.name!r}: the group size {spec.group_size} must divide every projection's "
+                f"input size, and this model's are {sizes}; "
+                + (f"use {', '.join(f'int4-g{g}' for g in fits)}" if fits else "use int8")
+            )
+    body, head = _torchao_config(spec, weight.device), _torchao_config(QuantSpec(8), weight.device)
+    if model.lm_head is None:  # a tied head: a quantized copy of its own, the embedding stays float
+        model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=weight.device)
+        model.lm_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+    from torchao.quantization import quantize_
+
+    # torchao's tensors give AOT autograd no cache key, so quantized graphs compile afresh in each
+    # process (the compile time that `bench` reports); torch says so once a tensor type, to no avail.
+    warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
+    quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
+    quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
+    model.quantization = spec
+    return model
