@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_quantize_arg(bench, several=True)
     bench.add_argument(
+        "--gguf",
+        default=None,
+        metavar="FILE[,FILE]",
+        help="also run llama.cpp on these GGUF files (the same model at its own quantization; batch 1), "
+        "labelled llamacpp-Q4_1 etc. (the llamacpp extra: llama-cpp-python, built from source)",
+    )
+    bench.add_argument(
         "--window",
         type=POSITIVE,
         default=None,

@@ -116,6 +116,19 @@ def test_onnx_cannot_join_the_offload_bench():
         run_bench("tiny-llama", ["onnx"], offload=True)
 
 
+def test_llamacpp_and_quantized_runs_are_refused_before_anything_loads(tmp_path):
+    with pytest.raises(BenchError, match=r"^--gguf .*missing.gguf: no such file$"):
+        run_bench("tiny-llama", ["eager"], gguf=(str(tmp_path / "missing.gguf"),))
+    with pytest.raises(BenchError, match="^--gguf runs llama.cpp at batch 1 on its own cache; drop --batch-size"):
+        run_bench("tiny-llama", ["eager"], batch_size=2, gguf=(str(tmp_path / "missing.gguf"),))
+    with pytest.raises(
+        BenchError,
+        match=r"^--quantize int8: backends hf, onnx run the float weights only; add a torch backend "
+        r"\(eager, compiled, cudagraph\) or none to --quantize$",
+    ):
+        run_bench("tiny-llama", ["hf", "onnx"], quantize=("int8",))
+
+
 def test_bench_serve_sends_the_same_requests_to_every_contender():
     """staticrt serve, transformers serve and the one-at-a-time baseline all produce every token
     asked for (random weights, no eos): the same requests, measured the same way."""

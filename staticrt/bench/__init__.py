@@ -80,7 +80,7 @@ def run_bench(
             {
                 json.dumps(r["tokens"])
                 for r in results.values()
-                if r["prompt_len"] == request.prompt_len and r["quantize"] == "none"
+                if r["prompt_len"] == request.prompt_len and r["quantize"] == "none" and "gguf" not in r
             }
         )
         < 2,
@@ -117,12 +117,15 @@ def warm_up(models: dict[str, Decoder], runs: list[Run], new_tokens: int, on_sta
     """Every run's contender, built and run once (which compiles and captures); `models` holds
     the weights of each quantize variant."""
     from .hf import hf_contender
+    from .llamacpp import llamacpp_contender
 
     contenders = {}
     for run in runs:
         on_stage(f"{run.label}: warm-up (compiles) on {len(run.prompts[0])} prompt + {new_tokens} new tokens")
         model = models[run.quantize]
-        if run.backend == "hf":
+        if run.gguf is not None:
+            contenders[run.label] = llamacpp_contender(run.gguf, run.prompts, new_tokens)
+        elif run.backend == "hf":
             contenders[run.label] = hf_contender(model, run.prompts, new_tokens)
         else:
             contenders[run.label] = staticrt_contender(
@@ -172,8 +175,10 @@ def result(
     }
     if "graph_gpu_ms" in res:
         res["host_overhead_us"] = 1e6 * step_s - 1e3 * res["graph_gpu_ms"]
-    weight_bytes = weight_bytes_per_step(model, request.batch_size)
-    kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, model.embed_tokens.weight.dtype)
+    # llama.cpp reads its GGUF's tensors (the file, less its metadata)
+    weight_bytes = res.get("gguf_bytes") or weight_bytes_per_step(model, request.batch_size)
+    kv_dtype = torch.float16 if run.gguf else model.embed_tokens.weight.dtype  # llama.cpp's cache: f16
+    kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, kv_dtype)
     stream_bps = statistics.median(samples)
     res.update(
         cache=run.cache,
@@ -205,10 +210,14 @@ def machine() -> dict[str, Any]:
 def ratios(results: dict[str, Any]) -> dict[str, float]:
     """Decode speedups against transformers; for sliding and offloaded runs, their step cost over a
     Static cache of the same attended length; for ONNX Runtime, its step cost over the compiled
-    torch backend; for a quantized variant, its speedup over the same run on the float weights."""
+    torch backend; for a quantized variant, its speedup over the same run on the float weights;
+    for every run, its speedup over each llama.cpp run."""
     step = {label: res["decode_ms_per_token"] for label, res in results.items()}
     found = {}
     for label, res in results.items():
+        for other in step:
+            if other.startswith("llamacpp-") and not label.startswith("llamacpp-"):
+                found[f"{label}_decode_speedup_vs_{other}"] = step[other] / step[label]
         float_label = label.replace(f"-{res['quantize']}", "", 1)
         if res["quantize"] != "none" and float_label in step:
             found[f"{label}_decode_speedup_vs_{float_label}"] = step[float_label] / step[label]

@@ -34,6 +34,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             window=args.window,
             quantize=tuple(q.strip() for q in args.quantize.split(",") if q.strip()),
+            gguf=tuple(g.strip() for g in (args.gguf or "").split(",") if g.strip()),
             offload=args.offload,
             device=args.device,
             on_stage=update,

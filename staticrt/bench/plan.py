@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -37,11 +38,19 @@ class BenchRequest:
     offload: bool = False
     device: str | None = None
     quantize: tuple[str, ...] = ("none",)
+    gguf: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Refuse a combination that cannot run, naming the option, before anything is loaded."""
         for name in self.quantize:
             parse_quantize(name)
+        if self.gguf and (self.batch_size != 1 or self.window is not None or self.offload):
+            raise BenchError(
+                "--gguf runs llama.cpp at batch 1 on its own cache; drop --batch-size, --window, --offload"
+            )
+        missing = [path for path in self.gguf if not Path(path).is_file()]
+        if missing:
+            raise BenchError(f"--gguf {', '.join(missing)}: no such file")
         if self.quantize and all(name in FLOAT_ONLY for name in self.backends) and "none" not in self.quantize:
             raise BenchError(
                 f"--quantize {','.join(self.quantize)}: backends {', '.join(self.backends)} run the float weights "
@@ -77,6 +86,7 @@ class Run:
     attended: int
     max_cache_len: int | None = None
     quantize: str = "none"
+    gguf: str | None = None  # the file llama.cpp runs (backend "llamacpp")
 
 
 def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int]]:
@@ -85,13 +95,20 @@ def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int
     return [rng.integers(1, vocab, size=prompt_len).tolist() for _ in range(batch_size)]
 
 
+def gguf_label(path: str | Path) -> str:
+    """`llamacpp-Q4_1` for `model.Q4_1.gguf`: the contender's name in the report."""
+    stem = Path(path).stem
+    return f"llamacpp-{stem.rsplit('.', 1)[-1] if '.' in stem else stem}"
+
+
 def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     """Every backend once on a Static cache; with `window`, each staticrt backend twice, with a
     SlidingWindow cache past the window ("NAME-sliding") and a Static cache of `window` positions
     ("NAME-static": the same attended length, so the only difference is the rotating buffer),
     and "hf" with transformers' sliding-window cache; with `offload`, each staticrt backend with
     a Static ("NAME-static") and an OffloadedStatic ("NAME-offloaded") cache. A quantized variant
-    of the weights is a backend of its own, "NAME-int8", run with the same caches."""
+    of the weights is a backend of its own, "NAME-int8", run with the same caches; each GGUF file
+    a llama.cpp run, "llamacpp-Q4_1"."""
     runs = _float_runs(request, prompts)
     quantized = [
         dataclasses.replace(run, label=f"{run.backend}-{quantize}{run.label[len(run.backend) :]}", quantize=quantize)
@@ -99,7 +116,11 @@ def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
         for run in runs
         if quantize != "none" and run.backend not in FLOAT_ONLY
     ]
-    return [run for run in runs if "none" in request.quantize or run.backend in FLOAT_ONLY] + quantized
+    llamacpp = [
+        Run(gguf_label(path), "llamacpp", "static", prompts, request.prompt_len + request.new_tokens, gguf=path)
+        for path in request.gguf
+    ]
+    return [run for run in runs if "none" in request.quantize or run.backend in FLOAT_ONLY] + quantized + llamacpp
 
 
 def _float_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
