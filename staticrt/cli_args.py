@@ -59,9 +59,9 @@ def add_quantize_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
         "--quantize",
         default=None,
         choices=("none", *QUANTIZE_CHOICES),
-        help="store the projections and the head as int8 (one scale an output channel) or int4 (a scale and "
-        "zero a group of 32, 64 or 128 inputs; int4 is int4-g32), computing in bfloat16: fewer bytes a "
-        "token, a faster decode (needs the quant extra: pip install 'staticrt[quant]')",
+        help="store the projections as int8 (one scale an output channel) or int4 (a scale and zero a group of "
+        "32, 64 or 128 inputs; int4 is int4-g32), the head as int8, computing in bfloat16: fewer bytes a token, "
+        "a faster compiled decode; export refuses it for now (needs the quant extra: pip install 'staticrt[quant]')",
     )
 
 
