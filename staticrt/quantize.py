@@ -97,8 +97,8 @@ def quantize_weights(model: nn.Module, spec: QuantSpec) -> nn.Module:
         model.lm_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
     from torchao.quantization import quantize_
 
-    # torchao's tensors give AOT autograd no cache key, so quantized graphs compile afresh in each
-    # process (the compile time that `bench` reports); torch says so once a tensor type, to no avail.
+    # torchao's tensors give AOT autograd's cache no stable key, and torch says so once a tensor type;
+    # inductor's graph cache still serves a second process (SmolLM2 int8: first token 70 s cold, 8.5 s warm).
     warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
     quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
     quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
