@@ -81,8 +81,8 @@ def check_exportable(quantize: str | None) -> None:
     safetensors form, and the ONNX graph would dequantize them back to floats."""
     if quantize is not None:
         raise ArtifactError(
-            f"exporting {quantize} weights is not supported yet; export the float model (drop --quantize, or "
-            "quantize from the recipe), or run the quantized model with --backend eager, compiled or cudagraph"
+            f"exporting {quantize} weights is not supported yet; export the float model (no --quantize, no "
+            "quantize key in the recipe), or run the quantized model with --backend eager, compiled or cudagraph"
         )
 
 
