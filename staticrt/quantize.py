@@ -80,8 +80,7 @@ def quantize_weights(model: nn.Module, spec: QuantSpec) -> nn.Module:
     """
     config = model.config
     weight = model.embed_tokens.weight
-    if weight.dtype not in QUANTIZED_DTYPES:
-        quantized_dtype(spec, weight.dtype)  # raises: the model was loaded in float32
+    quantized_dtype(spec, weight.dtype)  # refuses a model loaded in float32
     if spec.bits == 4:
         sizes = sorted({m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)})
         fits = [g for g in INT4_GROUP_SIZES if all(size % g == 0 for size in sizes)]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_model
+from ..checkpoint import load_config, load_model
 from ..dtypes import resolve_dtype
 from ..errors import BenchError
 from ..model import Decoder
@@ -45,9 +45,9 @@ def run_bench(
         torch.set_num_threads(request.threads)
     device = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(request.dtype)
-    models = load_variants(request, dtype, device)
-    model = next(iter(models.values()))
-    runs = plan_runs(request, bench_prompts(model.config.vocab_size, request.batch_size, request.prompt_len))
+    vocab = load_config(model_name).vocab_size
+    runs = plan_runs(request, bench_prompts(vocab, request.batch_size, request.prompt_len))
+    models = load_variants(request, {run.quantize for run in runs}, dtype, device)
     probe = StreamProbe(dtype, torch.device(device))
     copy_bps = copy_bytes_per_s(torch.device(device)) if device == "cuda" else None
     contenders = warm_up(models, runs, request.new_tokens, on_stage)
@@ -87,9 +87,9 @@ def run_bench(
     }
 
 
-def load_variants(request: BenchRequest, dtype: torch.dtype, device: str) -> dict[str, Decoder]:
-    """The model once a quantize variant the runs need ("none": the float weights in `dtype`;
-    quantized ones compute in bfloat16, or in float16 when that is `dtype`)."""
+def load_variants(request: BenchRequest, variants: set[str], dtype: torch.dtype, device: str) -> dict[str, Decoder]:
+    """The model once each quantize variant ("none": the float weights in `dtype`; quantized ones
+    compute in bfloat16, or in float16 when that is `dtype`)."""
     models = {
         variant: load_model(
             request.model,
@@ -97,7 +97,7 @@ def load_variants(request: BenchRequest, dtype: torch.dtype, device: str) -> dic
             device=device,
             quantize=variant,
         )
-        for variant in sorted({run.quantize for run in plan_runs(request, [])})
+        for variant in sorted(variants)
     }
     if request.window is not None:
         for model in models.values():
