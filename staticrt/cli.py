@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="token ids of one row, comma-separated; repeat for a batch",
     )
     run.add_argument("--system", default=None, help="with --chat: the system prompt (default: the template's)")
+    run.add_argument(
+        "--num-beams",
+        type=POSITIVE,
+        default=1,
+        help="beam search with N beams, as transformers' generate(num_beams=N): each prompt takes N cache rows; "
+        "the best beam prints at the end (eager, compiled, cudagraph; default 1: no beams)",
+    )
+    run.add_argument(
+        "--length-penalty", type=float, default=1.0, help="with --num-beams: a finished beam scores log p / length^this"
+    )
     run.add_argument("--json", action="store_true", help='print {"tokens": [[...] per row], ...} as one JSON object')
 
     chat = sub.add_parser(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .artifact import FORMATS, read_manifest, require_format
+from .beam_search import BeamParams, beam_search_tokens
 from .errors import ArtifactError, GenerationError, as_int
 from .generate import MAX_NEW_TOKENS, GenerationStats, SamplingParams, StepBackend, StreamCallback, generate_tokens
 
@@ -82,6 +83,26 @@ def load_artifact(path: str | Path, backend: str | None = None, threads: int | N
     return Generator(BACKENDS[backend].build(folder, backend, manifest, **options))
 
 
+def _beam_params(
+    num_beams: Any, length_penalty: Any, early_stopping: Any, sampling: SamplingParams, stream: Any
+) -> BeamParams | None:
+    """The beam search a `generate` call asks for (None: one beam), checked before anything runs."""
+    params = BeamParams(num_beams, length_penalty, early_stopping).checked()
+    if params.num_beams == 1:
+        return None
+    if sampling.do_sample:
+        raise GenerationError(
+            f"num_beams={params.num_beams} with do_sample=True (beam sampling) is not supported; pass "
+            "do_sample=False for beam search, or num_beams=1 to sample"
+        )
+    if stream is not None:
+        raise GenerationError(
+            "beam search cannot stream: which beam wins is known only at the end; pass stream=None, "
+            "or num_beams=1 to stream tokens as they come"
+        )
+    return params
+
+
 class Generator:
     """A model bound to a cache and a backend, for repeated generation with fixed shapes.
 
@@ -137,8 +158,15 @@ class Generator:
         seed: int | None = None,
         stop_token_ids: Sequence[int] | None = (),
         stream: StreamCallback | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
     ) -> list[list[int]]:
-        """New token ids per prompt; timings of the call land in `self.last_stats`."""
+        """New token ids per prompt; timings of the call land in `self.last_stats`.
+
+        `num_beams` > 1 runs beam search as transformers' `generate(num_beams=N, do_sample=False)`
+        does (`length_penalty`, `early_stopping` as there): each prompt takes N rows of the cache,
+        so prompts x num_beams must fit in max_batch_size; it returns each prompt's best beam."""
         if self._running_in == threading.get_ident():
             raise GenerationError(
                 "generate was called again while this thread's generate is under way (from its stream "
@@ -150,7 +178,13 @@ class Generator:
             self._running_in = threading.get_ident()
             try:
                 stats = GenerationStats()
-                tokens = generate_tokens(self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, stats)
+                beams = _beam_params(num_beams, length_penalty, early_stopping, sampling, stream)
+                if beams is None:
+                    tokens = generate_tokens(
+                        self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, stats
+                    )
+                else:
+                    tokens = beam_search_tokens(self.backend, prompts, max_new_tokens, beams, stop_token_ids, stats)
                 self.last_stats = stats
                 return tokens
             finally:

@@ -9,6 +9,13 @@ from __future__ import annotations
 import torch
 
 
+def beam_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits `[B, V]` -> each row's `k` most likely next tokens: log-probabilities `[B, k]` float32
+    (descending) and ids `[B, k]` int64. A beam step needs no more of the vocabulary: the best k
+    continuations over all of an item's beams are among the best k of each beam."""
+    return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits `[B, V]` -> token ids `[B]` int64."""
     return torch.argmax(logits, dim=-1)

@@ -22,6 +22,18 @@ from hf_models import save_hf_model  # noqa: E402
 from staticrt.cli import main  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
+QUESTION = "What is the capital of France?"
+NEW_TOKENS = 64  # the real model's answers: transformers' greedy tokens for the chat prompt
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": QUESTION}],
+    "system": [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": QUESTION}],
+    "multi-turn": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Japan?"},
+    ],
+}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,6 +61,23 @@ def smollm2(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     assert main(["convert", str(gguf), str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2):
+    """transformers' model and tokenizer, loaded from the same converted folder."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
+    return transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def chat_prompt(smollm2) -> list[int]:
+    """The system + user chat prompt ("You answer in one word." / the capital of France), as token ids."""
+    import staticrt
+
+    return staticrt.load_model(smollm2).tokenizer.apply_chat_template(CONVERSATIONS["system"])
 
 
 @pytest.fixture(scope="module")

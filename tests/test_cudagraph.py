@@ -87,3 +87,24 @@ def test_reduce_overhead_gives_the_eager_tokens(hf_checkpoints):
         staticrt.Generator(model, backend="reduce-overhead", **options).generate(PROMPTS, max_new_tokens=64)
         == reference
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_cudagraph_beam_search_gives_the_eager_beams_in_captured_graphs(hf_checkpoints, family):
+    """Beam steps and the in-place row reorder replay as graphs; the cache never moves, and a
+    second generation allocates nothing."""
+    model = staticrt.load_model(hf_checkpoints[family][0], device="cuda")
+    options = dict(cache="static", max_batch_size=8, max_cache_len=256)
+    beams = dict(max_new_tokens=32, num_beams=4, stop_token_ids=[7])
+    reference = staticrt.Generator(model, backend="eager", **options).generate(PROMPTS[:2], **beams)
+    gen = staticrt.Generator(model, backend="cudagraph", **options)
+    addresses = [b.data_ptr() for b in gen.backend.cache.buffers()]
+    assert gen.generate(PROMPTS[:2], **beams) == reference
+    assert gen.backend.reorder_graph is not None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    assert gen.generate(PROMPTS[:2], **beams) == reference
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert [b.data_ptr() for b in gen.backend.cache.buffers()] == addresses

@@ -11,37 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CONVERSATIONS, NEW_TOKENS, QUESTION
 from genai_runner import genai_greedy
 from hf_models import hf_greedy
 
 import staticrt
 from staticrt.cli import main
-
-QUESTION = "What is the capital of France?"
-NEW_TOKENS = 64
-CONVERSATIONS = {
-    "single": [{"role": "user", "content": QUESTION}],
-    "system": [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": QUESTION}],
-    "multi-turn": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": QUESTION},
-        {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": "And of Japan?"},
-    ],
-}
-
-
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2):
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2)
-    return transformers.AutoModelForCausalLM.from_pretrained(smollm2).eval(), tokenizer
-
-
-@pytest.fixture(scope="session")
-def chat_prompt(smollm2) -> list[int]:
-    return staticrt.load_model(smollm2).tokenizer.apply_chat_template(CONVERSATIONS["system"])
+from staticrt.errors import GenerationError
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +69,16 @@ def test_compiled_real_model_gives_transformers_tokens_and_says_it_is_compiling(
     assert first.compile_s > 10 * first.prefill_s > 0
     gen.generate([chat_prompt], 2, stop_token_ids=[])
     assert gen.last_stats.compile_s == 0.0
+
+
+def test_artifact_backends_refuse_beam_search_by_name(smollm2_artifact):
+    gen = staticrt.load_artifact(smollm2_artifact, backend="onnx")
+    with pytest.raises(GenerationError) as raised:
+        gen.generate([[1, 2, 3]], 4, num_beams=2)
+    assert str(raised.value) == (
+        "beam search runs on the eager, compiled and cudagraph backends; backend 'onnx' returns one chosen "
+        "token a row; use num_beams=1 here, or one of those backends"
+    )
 
 
 @pytest.mark.parametrize("backend", ["pt2", "onnx"])

@@ -1,6 +1,7 @@
 """Compiled backend: `torch.compile(fullgraph=True, dynamic=False)` of the whole step.
 
-One graph per (prefill bucket, greedy|sample) and one for decode. Dynamo keys its cache on code
+One graph per (prefill bucket, choice) and one per choice for decode, the choice being greedy,
+sample or beam{k} (`step_choice`). Dynamo keys its cache on code
 objects, so each graph gets its own copy of `run_step`'s code: a new bucket is then a first
 compile rather than a recompile, dynamo's recompile limit never silently drops a bucket to
 eager, and `error_on_recompile` can prove that a generation never recompiles.
@@ -20,15 +21,15 @@ import torch
 
 from ..errors import GenerationError
 from ..generate import SamplingParams
-from .eager import EagerBackend, StepFn, run_step
+from .eager import EagerBackend, StepFn, run_step, step_choice
 from .guards import code_past_guards
 
 log = logging.getLogger("staticrt")
 
 
-def graph_name(seq_len: int, do_sample: bool) -> str:
-    """What a graph is called in logs and in dynamo's code names: decode_greedy, prefill64_sample, ..."""
-    return f"{'decode' if seq_len == 1 else f'prefill{seq_len}'}_{'sample' if do_sample else 'greedy'}"
+def graph_name(seq_len: int, choice: str) -> str:
+    """What a graph is called in logs and in dynamo's code names: decode_greedy, prefill64_beam8, ..."""
+    return f"{'decode' if seq_len == 1 else f'prefill{seq_len}'}_{choice}"
 
 
 def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
@@ -95,29 +96,31 @@ class CompiledBackend(EagerBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._graphs: dict[tuple[int, bool], StepFn] = {}
-        self._checked: dict[tuple[int, bool], StepFn] = {}  # what runs a graph whose guards passed this generation
-        self._built: set[tuple[int, bool]] = set()  # graphs that have run once: compiled (and captured)
+        # Graphs by (tokens a row, `step_choice`).
+        self._graphs: dict[tuple[int, str], StepFn] = {}
+        self._checked: dict[tuple[int, str], StepFn] = {}  # what runs a graph whose guards passed this generation
+        self._built: set[tuple[int, str]] = set()  # graphs that have run once: compiled (and captured)
         self._frozen_weights: list[tuple[int, int]] | None = None  # weights as a frozen graph holds them
 
     def reset(self) -> None:
         super().reset()
         self._checked.clear()
 
-    def step(
+    def run(
         self,
+        choice: str,
         input_ids: np.ndarray,
         write_index: np.ndarray,
         num_new: np.ndarray,
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
-    ) -> np.ndarray:
+    ) -> Any:
         """Each graph's first step of a generation goes through dynamo (guards, and a recompile
         if the model changed between generations); the rest run `past_guards` of it (guards.py).
         A `stream` callback must not change the model or the cache in the middle of a generation."""
-        key = (input_ids.shape[1], uniforms is not None)
+        key = (input_ids.shape[1], choice)
         if key in self._checked:
-            return super().step(input_ids, write_index, num_new, sampling, uniforms)
+            return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
         freezes = self.freezes(key[0])
         if freezes and self._frozen_weights not in (None, self._weight_stamps()):
             raise GenerationError(
@@ -125,34 +128,31 @@ class CompiledBackend(EagerBackend):
                 "hold the weights as they were at compile); build a new Generator for the changed model"
             )
         with frozen_decode_weights() if freezes else nullcontext():
-            next_ids = super().step(input_ids, write_index, num_new, sampling, uniforms)
+            result = super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
         if freezes and self._frozen_weights is None:
             self._frozen_weights = self._weight_stamps()
         self._checked[key] = self.past_guards(self._graphs[key])
-        return next_ids
+        return result
 
     def _weight_stamps(self) -> list[tuple[int, int]]:
         """Where each weight lives and its in-place write count: what a frozen graph is valid for."""
         return [(p.data_ptr(), p._version) for p in self.model.parameters()]
 
-    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, candidates: int = 0) -> float:
         """Compile (and, on CUDA, capture) each graph a generation will use for the first time, by
         running it once on dummy inputs (zeros at position 0: it writes only K/V that `reset` and
-        the prefill replace), and say so in the log: a 30-layer model takes minutes on a CPU."""
-        spent, batch = 0.0, self.batch_size
+        the prefill replace), and say so in the log: a 30-layer model takes minutes on a CPU.
+        `candidates` > 0: the graphs of a beam step (`beam_step`)."""
+        spent, batch, choice = 0.0, self.batch_size, step_choice(do_sample, candidates)
         for width in widths:
-            if (width, do_sample) in self._built:
+            if (width, choice) in self._built:
                 continue
-            name, began = graph_name(width, do_sample), time.perf_counter()
+            name, began = graph_name(width, choice), time.perf_counter()
             log.info("compiling the %s step graph (first use; later generations reuse it) ...", name)
-            self.step(
-                np.zeros((batch, width), dtype=np.int64),
-                np.zeros(batch, dtype=np.int64),
-                np.ones(batch, dtype=np.int64),
-                SamplingParams(do_sample),
-                np.zeros(batch, dtype=np.float32) if do_sample else None,
-            )
-            self._built.add((width, do_sample))
+            zeros, ones = np.zeros(batch, dtype=np.int64), np.ones(batch, dtype=np.int64)
+            uniforms = np.zeros(batch, dtype=np.float32) if do_sample else None
+            self.run(choice, np.zeros((batch, width), dtype=np.int64), zeros, ones, SamplingParams(do_sample), uniforms)
+            self._built.add((width, choice))
             spent += time.perf_counter() - began
             log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
         return spent
@@ -175,13 +175,13 @@ class CompiledBackend(EagerBackend):
         called directly, or the graph itself where torch offers no such code."""
         return code_past_guards(graph) or graph
 
-    def step_function(self, seq_len: int, do_sample: bool) -> StepFn:
-        key = (seq_len, do_sample)
+    def step_function(self, seq_len: int, choice: str) -> StepFn:
+        key = (seq_len, choice)
         if key in self._checked:
             return self._checked[key]
         if key not in self._graphs:
             compiled = torch.compile(
-                _own_code_copy(run_step, graph_name(seq_len, do_sample)),
+                _own_code_copy(run_step, graph_name(seq_len, choice)),
                 fullgraph=True,
                 dynamic=False,
                 **self.compile_options,

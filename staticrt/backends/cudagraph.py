@@ -1,12 +1,14 @@
 """CUDA-graph backend: each step shape is the compiled step captured once in a CUDA graph and
 replayed, so a decode step costs one graph launch plus a few small copies.
 
-For the Generator's batch size there is one graph per (tokens a row, greedy|sample): decode and each
-prefill bucket. A graph reads its inputs from static buffers (`input_ids`, `write_index`,
-`num_new`, sampling parameters, the uniform random numbers) and writes the chosen ids to a static
-output; all graphs share one memory pool. The decode graph also feeds itself: it copies its
-output into its own `input_ids` and advances `write_index`, so in steady decode the host copies
-nothing in (only the sampling uniforms when sampling) and reads the ids out once a step.
+For the Generator's batch size there is one graph per (tokens a row, greedy|sample|beam{k}): decode
+and each prefill bucket. A graph reads its inputs from static buffers (`input_ids`, `write_index`,
+`num_new`, sampling parameters, the uniform random numbers) and writes the chosen ids (a beam
+step: each row's k candidates) to static outputs; all graphs share one memory pool. The greedy
+and sampling decode graphs also feed themselves: they copy their output into their own
+`input_ids` and advance `write_index`, so in steady decode the host copies nothing in (only the
+sampling uniforms when sampling) and reads the ids out once a step. Beam search's reordering of
+the cache rows is a captured graph of its own, over a static `rows` buffer.
 
 A graph is captured the first time its shape is asked for, mid-generation: the compiled step is
 warmed up on a side stream (which compiles it) and captured, and because warm-up runs the step
@@ -30,7 +32,7 @@ import torch
 
 from ..generate import SamplingParams, per_row
 from .compiled import CompiledBackend
-from .eager import StepFn
+from .eager import StepFn, choice_candidates, step_choice
 
 _WARNED = False
 
@@ -55,7 +57,7 @@ def _warn_no_cuda(device: torch.device) -> None:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]  # static buffers the graph reads, by step argument name
-    output: torch.Tensor  # [B] int64 on the device, the graph's chosen ids
+    output: Any  # on the device: [B] int64 chosen ids, or a beam step's ([B, k] float32, [B, k] int64)
     expected: tuple[np.ndarray, np.ndarray] | None = None  # decode: (ids, write_index) its buffers hold next
     params: tuple[tuple[Any, ...], ...] | None = None  # sampling parameters its buffers hold, a row each
 
@@ -66,7 +68,8 @@ class CudaGraphBackend(CompiledBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.captured: dict[tuple[int, bool], _Graph] = {}
+        self.captured: dict[tuple[int, str], _Graph] = {}  # by (tokens a row, `step_choice`)
+        self.reorder_graph: _Graph | None = None
         self.decode_from: np.ndarray | None = None  # write_index of the last generation's first decode step
         if self.device.type != "cuda":
             _warn_no_cuda(self.device)
@@ -86,25 +89,52 @@ class CudaGraphBackend(CompiledBackend):
         if self.device.type != "cuda":
             return super().step(input_ids, write_index, num_new, sampling, uniforms)
         batch, seq_len = input_ids.shape
-        self.cache.check_step(write_index, seq_len)
-        key = (seq_len, uniforms is not None)
-        if key not in self.captured:
-            self.captured[key] = self._capture(
-                seq_len, uniforms is not None, input_ids, write_index, num_new, sampling, uniforms
-            )
         if seq_len == 1 and self.decode_from is None:
             self.decode_from = write_index.copy()
-        entry = self.captured[key]
-        self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
-        entry.graph.replay()
+        output = self.run(step_choice(uniforms is not None), input_ids, write_index, num_new, sampling, uniforms)
         # The step's one device-to-host synchronisation: the chosen ids, copied out of the graph's
         # output before the next replay overwrites it.
-        self.host_ids.copy_(entry.output, non_blocking=True)
+        self.host_ids.copy_(output, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         next_ids = self.host_ids.numpy().copy()
         if seq_len == 1:  # the graph left these in its own input buffers
-            entry.expected = (next_ids.reshape(batch, 1), write_index + 1)
+            self.captured[1, step_choice(uniforms is not None)].expected = (next_ids.reshape(batch, 1), write_index + 1)
         return next_ids
+
+    def run(
+        self,
+        choice: str,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams,
+        uniforms: np.ndarray | None,
+    ) -> Any:
+        """Replay the step's graph (captured on first use) and return its static output buffers."""
+        if self.device.type != "cuda":
+            return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
+        seq_len = input_ids.shape[1]
+        self.cache.check_step(write_index, seq_len)
+        key = (seq_len, choice)
+        if key not in self.captured:
+            self.captured[key] = self._capture(seq_len, choice, input_ids, write_index, num_new, sampling, uniforms)
+        entry = self.captured[key]
+        self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
+        entry.graph.replay()
+        return entry.output
+
+    def reorder_rows(self, rows: np.ndarray) -> None:
+        """Beam search's in-place reorder of the cache rows, as a captured graph on CUDA. Warm-up
+        and capture run it with `rows` the identity, which leaves the cache as it is."""
+        if self.device.type != "cuda":
+            return super().reorder_rows(rows)
+        if self.reorder_graph is None:
+            buffer = torch.arange(self.batch_size, device=self.device)
+            entry = _Graph(torch.cuda.CUDAGraph(), {"rows": buffer}, None)
+            self._warm_and_capture(entry, lambda: self.cache.reorder_cache(buffer))
+            self.reorder_graph = entry
+        self.reorder_graph.inputs["rows"].copy_(torch.from_numpy(rows), non_blocking=True)
+        self.reorder_graph.graph.replay()
 
     def reset(self) -> None:
         super().reset()
@@ -113,7 +143,7 @@ class CudaGraphBackend(CompiledBackend):
     def report(self) -> dict[str, Any]:
         """Also, on CUDA, the GPU time of one replay of the greedy decode graph (`graph_gpu_ms`)."""
         report = super().report()
-        decode = self.captured.get((1, False))
+        decode = self.captured.get((1, "greedy"))
         if decode is not None and self.decode_from is not None:
             report["graph_gpu_ms"] = 1000 * self.graph_gpu_s(decode, self.decode_from)
             decode.expected = None  # the replays left other inputs in its buffers
@@ -167,7 +197,7 @@ class CudaGraphBackend(CompiledBackend):
     def _capture(
         self,
         seq_len: int,
-        do_sample: bool,
+        choice: str,
         input_ids: np.ndarray,
         write_index: np.ndarray,
         num_new: np.ndarray,
@@ -184,37 +214,50 @@ class CudaGraphBackend(CompiledBackend):
             "temperature": torch.ones(batch, dtype=torch.float32, device=dev),
             "top_k": torch.zeros(batch, dtype=torch.int64, device=dev),
             "top_p": torch.ones(batch, dtype=torch.float32, device=dev),
-            "uniform": torch.zeros(batch, dtype=torch.float32, device=dev) if do_sample else None,
+            "uniform": torch.zeros(batch, dtype=torch.float32, device=dev) if choice == "sample" else None,
         }
-        output = torch.zeros(batch, dtype=torch.int64, device=dev)
-        entry = _Graph(torch.cuda.CUDAGraph(), {k: v for k, v in inputs.items() if v is not None}, output)
-        fn = self.step_function(seq_len, do_sample)
-        saved = [b.clone() for b in self.cache.state_buffers()]
+        fn, k = self.step_function(seq_len, choice), choice_candidates(choice)
+        if k:  # a beam step's candidates: log-probabilities and ids, [B, k] each
+            output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
+        else:
+            output = torch.zeros(batch, dtype=torch.int64, device=dev)
+        entry = _Graph(torch.cuda.CUDAGraph(), {n: v for n, v in inputs.items() if v is not None}, output)
+        feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
 
         def run() -> None:
-            next_ids = fn(self.model, self.cache, *inputs.values())  # [B]
-            output.copy_(next_ids)
-            if seq_len == 1:  # feed the next decode step from the device
-                inputs["input_ids"].copy_(next_ids[:, None])
+            result = fn(self.model, self.cache, *inputs.values(), k)
+            for buffer, value in zip(output, result) if isinstance(output, tuple) else [(output, result)]:
+                buffer.copy_(value)
+            if feeds_itself:  # feed the next decode step from the device
+                inputs["input_ids"].copy_(result[:, None])
                 inputs["write_index"].add_(1)
 
         def load() -> None:
             entry.expected, entry.params = None, None
             self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
 
+        self._warm_and_capture(entry, run, load)
+        return entry
+
+    def _warm_and_capture(self, entry: _Graph, run: Any, load: Any = None) -> None:
+        """Run `run` twice on a side stream (compiling what it calls), capture it into `entry.graph`,
+        and put back the cache state the warm-up runs changed; `load` refills the inputs first."""
+        dev = self.device
+        saved = [b.clone() for b in self.cache.state_buffers()]
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.no_grad(), torch.cuda.stream(side):
             for _ in range(2):
-                load()
+                if load is not None:
+                    load()
                 run()
         torch.cuda.current_stream(dev).wait_stream(side)
         with torch.no_grad(), torch.cuda.graph(entry.graph, pool=self.pool):
             run()
         for buffer, value in zip(self.cache.state_buffers(), saved):
             buffer.copy_(value)
-        load()
-        return entry
+        if load is not None:
+            load()
 
 
 class ReduceOverheadBackend(CompiledBackend):

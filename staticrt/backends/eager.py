@@ -13,9 +13,20 @@ from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
 from ..errors import CacheError, GenerationError, as_int
 from ..generate import SamplingParams, default_buckets, per_row
 from ..model import Decoder
-from ..sampling import greedy, sample
+from ..sampling import beam_candidates, greedy, sample
 
-StepFn = Callable[..., torch.Tensor]
+StepFn = Callable[..., Any]
+
+
+def step_choice(do_sample: bool, candidates: int = 0) -> str:
+    """How a step picks what it returns, and what its graph is called: "greedy", "sample", or
+    "beam{k}" (each row's k best continuations, for beam search)."""
+    return f"beam{candidates}" if candidates else ("sample" if do_sample else "greedy")
+
+
+def choice_candidates(choice: str) -> int:
+    """The k of a "beam{k}" choice; 0 for a step that returns one token a row."""
+    return int(choice[4:]) if choice.startswith("beam") else 0
 
 
 def run_step(
@@ -28,9 +39,13 @@ def run_step(
     top_k: torch.Tensor,  # [B]
     top_p: torch.Tensor,  # [B]
     uniform: torch.Tensor | None,  # [B], None for greedy
-) -> torch.Tensor:
-    """One model step plus token choice: the unit every torch backend runs (and compiles) whole."""
+    candidates: int = 0,
+) -> Any:
+    """One model step plus token choice: the unit every torch backend runs (and compiles) whole.
+    Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair."""
     logits = model(input_ids, write_index, cache, num_new)  # [B, V]
+    if candidates:
+        return beam_candidates(logits, candidates)
     if uniform is None:
         return greedy(logits)
     return sample(logits, temperature, top_k, top_p, uniform)
@@ -104,8 +119,9 @@ class EagerBackend:
     def cache_kind(self) -> str:
         return self.cache.kind
 
-    def step_function(self, seq_len: int, do_sample: bool) -> StepFn:
-        """The callable that runs a step of `seq_len` tokens a row; eager runs `run_step` as it is."""
+    def step_function(self, seq_len: int, choice: str) -> StepFn:
+        """The callable that runs a step of `seq_len` tokens a row choosing as `choice` says
+        (`step_choice`); eager runs `run_step` as it is."""
         return run_step
 
     def reset(self) -> None:
@@ -116,7 +132,7 @@ class EagerBackend:
         model and cache layout, of any batch size): a prompt prefilled alone joins the batch."""
         self.cache.copy_row(source.cache, source_row, row)
 
-    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, candidates: int = 0) -> float:
         """Nothing to build: eager runs the step as it is."""
         return 0.0
 
@@ -136,13 +152,41 @@ class EagerBackend:
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
+        choice = step_choice(uniforms is not None)
+        next_ids = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
+        return next_ids.cpu().numpy()  # the step's one device-to-host read
+
+    def beam_step(
+        self, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray, candidates: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A step of beam search: each row's `candidates` best next tokens, as log-probabilities
+        `[B, k]` float32 (descending) and ids `[B, k]` int64 (`sampling.beam_candidates`)."""
+        scores, ids = self.run(step_choice(False, candidates), input_ids, write_index, num_new, SamplingParams(), None)
+        return scores.cpu().numpy(), ids.cpu().numpy()
+
+    def reorder_rows(self, rows: np.ndarray) -> None:
+        """Row b of the cache takes row `rows[b]`'s contents (`rows [B]` int64), in place: beam
+        search keeps the beams it continues. Every buffer keeps its address."""
+        with torch.no_grad():
+            self.cache.reorder_cache(torch.from_numpy(rows).to(self.device))
+
+    def run(
+        self,
+        choice: str,
+        input_ids: np.ndarray,  # [B, T]
+        write_index: np.ndarray,  # [B]
+        num_new: np.ndarray,  # [B]
+        sampling: SamplingParams,
+        uniforms: np.ndarray | None,  # [B] when sampling
+    ) -> Any:
+        """Run one step on the device and return what `choice` asks for, still on the device."""
         batch, seq_len = input_ids.shape
         self.cache.check_step(write_index, seq_len)
         dev = self.device
         full = lambda value, dtype: torch.from_numpy(per_row(value, batch, dtype)).to(dev)  # noqa: E731
-        fn = self.step_function(seq_len, uniforms is not None)
+        fn = self.step_function(seq_len, choice)
         with torch.no_grad():
-            next_ids = fn(
+            return fn(
                 self.model,
                 self.cache,
                 torch.from_numpy(input_ids).to(dev),
@@ -152,5 +196,5 @@ class EagerBackend:
                 full(sampling.top_k, np.int64),
                 full(sampling.top_p, np.float32),
                 None if uniforms is None else torch.from_numpy(uniforms).to(dev),
+                choice_candidates(choice),
             )
-        return next_ids.cpu().numpy()  # the step's one device-to-host read

@@ -32,7 +32,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     source = open_source(args)
     tokenizer = source.tokenizer
     prompts = _prompts(args, tokenizer)
-    gen = bind(source, args, len(prompts), max(len(p) for p in prompts) + args.max_new_tokens)
+    gen = bind(source, args, len(prompts) * args.num_beams, max(len(p) for p in prompts) + args.max_new_tokens)
 
     texts = [tokenizer.stream() for _ in prompts] if tokenizer is not None else None
 
@@ -44,7 +44,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     def stream(row: int, token: int) -> None:
         show(row, texts[row].push(token) if texts is not None else f" {token}")  # whole characters only
 
-    tokens = gen.generate(prompts, args.max_new_tokens, stream=stream, **generate_options(args, source, gen))
+    options = generate_options(args, source, gen)
+    if args.num_beams > 1:  # the winning beam is known only at the end: printed then, not streamed
+        options.update(num_beams=args.num_beams, length_penalty=args.length_penalty)
+        tokens = gen.generate(prompts, args.max_new_tokens, **options)
+        for row, ids in enumerate(tokens):
+            for token in ids:
+                stream(row, token)
+    else:
+        tokens = gen.generate(prompts, args.max_new_tokens, stream=stream, **options)
     stats = gen.last_stats
     if args.json:
         out: dict[str, Any] = {
