@@ -79,9 +79,10 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         help="KV cache: static (every position), sliding (every layer a rotating buffer of the "
         "window; generation never runs out), hybrid (rotating buffers for sliding-window "
         "layers only, as in Gemma2), offloaded (every layer's K/V in host memory, two layers' "
-        "worth on the device), offloaded-hybrid (hybrid with the global layers offloaded), "
-        "auto (default: what the model's config implies, static when the window is no "
-        "shorter than --max-cache-len)",
+        "worth on the device), offloaded-hybrid (hybrid with the global layers offloaded), sink "
+        "(StreamingLLM: 4 attention-sink positions kept for good, the newest --max-cache-len - 4 in a "
+        "rotating buffer; generation never runs out), auto (default: what the model's config implies, "
+        "static when the window is no shorter than --max-cache-len)",
     )
     p.add_argument(
         "--max-cache-len",

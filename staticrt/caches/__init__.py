@@ -11,6 +11,7 @@ from ..errors import CacheError
 from .base import KVCache
 from .hybrid import HybridCache
 from .offloaded import OffloadedHybridCache, OffloadedStaticCache, OffloadWarning
+from .sink import SinkCache
 from .sliding import SlidingWindowCache
 from .spec import CACHE_CHOICES, CACHE_KINDS, CacheSpec, resolve_kind, resolve_max_cache_len
 from .static import StaticCache
@@ -22,6 +23,7 @@ CACHE_CLASSES: dict[str, type[KVCache]] = {
     "hybrid": HybridCache,
     "offloaded": OffloadedStaticCache,
     "offloaded-hybrid": OffloadedHybridCache,
+    "sink": SinkCache,
 }
 assert tuple(CACHE_CLASSES) == CACHE_KINDS, "every cache kind spec.py names has one class"
 
@@ -46,6 +48,7 @@ __all__ = [
     "OffloadWarning",
     "OffloadedHybridCache",
     "OffloadedStaticCache",
+    "SinkCache",
     "SlidingWindowCache",
     "StaticCache",
     "StepMetadata",

@@ -52,7 +52,7 @@ class KVCache(nn.Module, ABC):
         self.config = config
         self.spec = spec
         self.rotating = tuple(rotating)
-        self.window = cache_window(config, spec) if any(rotating) else None
+        self.window = self.rotating_slots(config, spec) if any(rotating) else None
         self.layer_lengths = tuple(self.window if r else spec.max_cache_len for r in self.rotating)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -66,6 +66,10 @@ class KVCache(nn.Module, ABC):
     def rotating_layers(cls, config: ModelConfig) -> list[bool]:
         """Per layer: a rotating buffer of `window` slots (True) or a linear one (False); raises
         CacheError when this kind does not fit the model."""
+
+    def rotating_slots(self, config: ModelConfig, spec: CacheSpec) -> int:
+        """The slots of a rotating layer: the spec's window, else the model's (`cache_window`)."""
+        return cache_window(config, spec)
 
     def layer_shape(self, length: int) -> tuple[int, int, int, int]:
         """`[B, H_kv, length, D]`: the shape of one layer's K (and V) buffer."""

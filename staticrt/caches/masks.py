@@ -13,9 +13,15 @@ from __future__ import annotations
 import torch
 
 
-def held_positions(filled_to: torch.Tensor, slots: int, rotating: bool) -> torch.Tensor:
+def held_positions(filled_to: torch.Tensor, slots: int, rotating: bool, sinks: int = 0) -> torch.Tensor:
     """`[B, slots]` int64: the position each slot holds once positions `0 .. filled_to[b] - 1`
-    have been written (`filled_to [B]`), negative where the slot is still empty."""
+    have been written (`filled_to [B]`), negative where the slot is still empty. With `sinks` (an
+    attention-sink layout, sink.py), slots `0 .. sinks - 1` hold those positions for good and the
+    other slots rotate over the positions after them."""
+    if sinks:
+        kept = held_positions(filled_to, sinks, False)
+        rest = held_positions(filled_to - sinks, slots - sinks, True)
+        return torch.cat([kept, torch.where(rest >= 0, rest + sinks, -1)], dim=-1)
     index = torch.arange(slots, device=filled_to.device)[None, :]
     if not rotating:
         return torch.where(index < filled_to[:, None], index, -1)
@@ -27,13 +33,15 @@ def held_positions(filled_to: torch.Tensor, slots: int, rotating: bool) -> torch
     return lap_start + index - slots * (index > newest - lap_start)
 
 
-def key_positions(positions: torch.Tensor, slots: int, rotating: bool, writes_first: bool) -> torch.Tensor:
+def key_positions(
+    positions: torch.Tensor, slots: int, rotating: bool, writes_first: bool, sinks: int = 0
+) -> torch.Tensor:
     """`[B, T, slots]`, or `[B, T, slots + T]` for a step that reads before it writes (the buffer
     as it was, then the step's own T entries): the position of every key a query at
     `positions [B, T]` is scored against (negative for an empty slot)."""
     seq_len = positions.shape[1]
     filled_to = positions[:, 0] + (seq_len if writes_first else 0)  # [B] positions held when attending
-    held = held_positions(filled_to, slots, rotating)[:, None, :].expand(-1, seq_len, -1)  # [B, T, slots]
+    held = held_positions(filled_to, slots, rotating, sinks)[:, None, :].expand(-1, seq_len, -1)  # [B, T, slots]
     if writes_first:
         return held
     return torch.cat([held, positions[:, None, :].expand(-1, seq_len, -1)], dim=-1)

@@ -12,7 +12,7 @@ from ..config import ModelConfig
 from ..errors import CacheError, as_int
 
 # Cache kinds a user names; "auto" stands for what the config implies (`resolve_kind`).
-CACHE_KINDS = ("static", "sliding", "hybrid", "offloaded", "offloaded-hybrid")
+CACHE_KINDS = ("static", "sliding", "hybrid", "offloaded", "offloaded-hybrid", "sink")
 CACHE_CHOICES = (*CACHE_KINDS, "auto")
 ROTATING_KINDS = ("sliding", "hybrid", "offloaded-hybrid")  # kinds that give some layers a rotating buffer
 DEFAULT_MAX_CACHE_LEN = 1024  # a default Static cache attends over every slot: keep it small

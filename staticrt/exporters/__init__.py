@@ -93,9 +93,11 @@ def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], forma
     if unknown or not formats:
         raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
     if spec.kind not in EXPORTABLE_CACHES:
+        why = "its host transfers live outside the program"
+        if spec.kind == "sink":
+            why = "the exporters do not write its sink scores yet"
         raise ArtifactError(
-            f"cache {spec.kind!r} cannot be exported (its host transfers live outside the program); choose one "
-            f"of {', '.join(EXPORTABLE_CACHES)}"
+            f"cache {spec.kind!r} cannot be exported ({why}); choose one of {', '.join(EXPORTABLE_CACHES)}"
         )
     if any(b > spec.max_cache_len for b in buckets):
         raise ArtifactError(f"prefill buckets {list(buckets)} must not exceed max_cache_len {spec.max_cache_len}")
