@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         "the offloaded step's cost (make --prompt-len long enough that the K/V outweighs "
         "the weights)",
     )
+    bench.add_argument(
+        "--kv-int8",
+        action="store_true",
+        help="run each staticrt backend with a Static and a static-int8 cache (K/V int8 with a scale a "
+        "token and head) and report the int8 step's cost; a long --prompt-len shows it",
+    )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument(
         "--cold-start",

@@ -81,7 +81,9 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
         "layers only, as in Gemma2), offloaded (every layer's K/V in host memory, two layers' "
         "worth on the device), offloaded-hybrid (hybrid with the global layers offloaded), sink "
         "(StreamingLLM: 4 attention-sink positions kept for good, the newest --max-cache-len - 4 in a "
-        "rotating buffer; generation never runs out), auto (default: what the model's config implies, "
+        "rotating buffer; generation never runs out), static-int8 | sliding-int8 | hybrid-int8 (those "
+        "layouts with K/V as int8 and a scale a token and head: about a quarter of float32), auto (default: "
+        "what the model's config implies, "
         "static when the window is no shorter than --max-cache-len)",
     )
     p.add_argument(

@@ -64,8 +64,12 @@ def spy_on_reorders(gen: staticrt.Generator, monkeypatch) -> list[np.ndarray]:
     return seen
 
 
-@pytest.mark.parametrize("backend", ["eager", "compiled"])
-@pytest.mark.parametrize("family", FAMILIES)
+# Compiled: Llama (whose code path Mistral and Qwen2 share) and Gemma2 (softcapping, sandwich norms,
+# sliding layers); the four families' greedy compiled graphs are checked in test_oracle.py.
+BEAM_CASES = [(f, "eager") for f in FAMILIES] + [("llama", "compiled"), ("gemma2", "compiled")]
+
+
+@pytest.mark.parametrize(("family", "backend"), BEAM_CASES)
 def test_beam_tokens_equal_transformers_and_the_cache_is_reordered_in_place(
     hf_checkpoints, beam_generators, family, backend, monkeypatch
 ):
@@ -121,14 +125,15 @@ def test_bad_beam_requests_are_refused_before_anything_runs(beam_generators):
 
 
 # SmolLM2's special tokens: <|endoftext|>, <|im_start|>, <|im_end|> (its end of turn). Stopping on all
-# three with N=2 keeps 8 candidates, as N=4 stopping on <|im_end|> alone: one pair of compiled graphs.
+# three with N=2 keeps 8 candidates, as N=4 stopping on <|im_end|> alone (one pair of graphs, compiled).
 REAL_CASES = [(2, [0, 1, 2]), (4, [2])]
 
 
-@pytest.mark.parametrize("backend", ["eager", "compiled"])
-def test_real_model_beams_equal_transformers(smollm2, hf_smollm2, chat_prompt, backend):
+def test_real_model_beams_equal_transformers(smollm2, hf_smollm2, chat_prompt):
+    """Eager: a compile of the 30-layer model's beam graphs costs the suite over two minutes on 2
+    cores (the compiled beams are checked on the tiny models above)."""
     model = staticrt.load_model(smollm2)
-    gen = staticrt.Generator(model, max_batch_size=4, max_cache_len=96, backend=backend, prefill_buckets=[32])
+    gen = staticrt.Generator(model, max_batch_size=4, max_cache_len=96, prefill_buckets=[32])
     for num_beams, stops in REAL_CASES:
         expected = hf_beams(hf_smollm2[0], chat_prompt, num_beams, stops)
         assert gen.generate([chat_prompt], NEW_TOKENS, num_beams=num_beams, stop_token_ids=stops) == [expected]

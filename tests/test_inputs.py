@@ -77,7 +77,8 @@ def test_unknown_backend_and_cache_kind():
         staticrt.Generator(model, backend="onnx")
     with pytest.raises(
         ValueError,
-        match="cache kind 'paged' is unknown; choose one of static, sliding, hybrid, offloaded, offloaded-hybrid, auto",
+        match="cache kind 'paged' is unknown; choose one of static, sliding, hybrid, offloaded, offloaded-hybrid, "
+        "sink, static-int8, sliding-int8, hybrid-int8, auto",
     ):
         staticrt.Generator(model, cache="paged")
 

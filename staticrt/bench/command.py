@@ -36,6 +36,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             quantize=tuple(q.strip() for q in args.quantize.split(",") if q.strip()),
             gguf=tuple(g.strip() for g in (args.gguf or "").split(",") if g.strip()),
             offload=args.offload,
+            kv_int8=args.kv_int8,
             device=args.device,
             on_stage=update,
         )

@@ -22,7 +22,8 @@ NEW_TOKENS, PROMPT_LEN, REPEATS = 64, 32, 5
 @dataclass(frozen=True)
 class BenchRequest:
     """A benchmark as asked for. With `window`, every layer gets that sliding window; with
-    `offload`, each staticrt backend also runs with an OffloadedStatic cache. Each of `quantize`
+    `offload` (`kv_int8`), each staticrt backend also runs with an OffloadedStatic (static-int8)
+    cache. Each of `quantize`
     ("none", "int8", "int4-g64", ...) is a variant of the weights that every torch backend runs
     beside the others; transformers and ONNX Runtime run the float weights only."""
 
@@ -36,6 +37,7 @@ class BenchRequest:
     dtype: str = "float32"
     window: int | None = None
     offload: bool = False
+    kv_int8: bool = False
     device: str | None = None
     quantize: tuple[str, ...] = ("none",)
     gguf: tuple[str, ...] = ()
@@ -56,8 +58,8 @@ class BenchRequest:
                 f"--quantize {','.join(self.quantize)}: backends {', '.join(self.backends)} run the float weights "
                 "only; add a torch backend (eager, compiled, cudagraph) or none to --quantize"
             )
-        if self.window is not None and self.offload:
-            raise BenchError("--window and --offload compare different things; run them one at a time")
+        if self.window is not None and (self.offload or self.kv_int8):
+            raise BenchError("--window and --offload/--kv-int8 compare different things; run them one at a time")
         if self.offload and "onnx" in self.backends:
             raise BenchError(
                 "offloaded caches do not export, so --offload cannot run the onnx backend; drop onnx from --backends"
@@ -106,7 +108,8 @@ def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     SlidingWindow cache past the window ("NAME-sliding") and a Static cache of `window` positions
     ("NAME-static": the same attended length, so the only difference is the rotating buffer),
     and "hf" with transformers' sliding-window cache; with `offload`, each staticrt backend with
-    a Static ("NAME-static") and an OffloadedStatic ("NAME-offloaded") cache. A quantized variant
+    a Static ("NAME-static") and an OffloadedStatic ("NAME-offloaded") cache; with `kv_int8`, also
+    with a static-int8 cache ("NAME-kvint8"). A quantized variant
     of the weights is a backend of its own, "NAME-int8", run with the same caches; each GGUF file
     a llama.cpp run, "llamacpp-Q4_1"."""
     runs = _float_runs(request, prompts)
@@ -128,11 +131,10 @@ def _float_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     runs = []
     for name in request.backends:
         static = Run(name, name, "static", prompts, full)
-        if request.window is None and request.offload and name != "hf":
-            runs += [
-                dataclasses.replace(static, label=f"{name}-static"),
-                dataclasses.replace(static, label=f"{name}-offloaded", cache="offloaded"),
-            ]
+        variants = [("offloaded", "offloaded")] * request.offload + [("kvint8", "static-int8")] * request.kv_int8
+        if request.window is None and variants and name != "hf":
+            runs.append(dataclasses.replace(static, label=f"{name}-static"))
+            runs += [dataclasses.replace(static, label=f"{name}-{tag}", cache=cache) for tag, cache in variants]
         elif request.window is None:
             runs.append(static)
         elif name == "hf":

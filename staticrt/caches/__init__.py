@@ -11,6 +11,7 @@ from ..errors import CacheError
 from .base import KVCache
 from .hybrid import HybridCache
 from .offloaded import OffloadedHybridCache, OffloadedStaticCache, OffloadWarning
+from .quantized import HybridInt8Cache, SlidingInt8Cache, StaticInt8Cache
 from .sink import SinkCache
 from .sliding import SlidingWindowCache
 from .spec import CACHE_CHOICES, CACHE_KINDS, CacheSpec, resolve_kind, resolve_max_cache_len
@@ -24,6 +25,9 @@ CACHE_CLASSES: dict[str, type[KVCache]] = {
     "offloaded": OffloadedStaticCache,
     "offloaded-hybrid": OffloadedHybridCache,
     "sink": SinkCache,
+    "static-int8": StaticInt8Cache,
+    "sliding-int8": SlidingInt8Cache,
+    "hybrid-int8": HybridInt8Cache,
 }
 assert tuple(CACHE_CLASSES) == CACHE_KINDS, "every cache kind spec.py names has one class"
 

@@ -105,6 +105,10 @@ class KVCache(nn.Module, ABC):
         storage in an offloaded layer."""
         return self.layer_buffers(layer_idx)
 
+    def layer_bytes(self, layer_idx: int) -> int:
+        """Bytes layer `layer_idx` keeps its K and V in (scales included, where there are any)."""
+        return sum(_nbytes(t) for t in self.storage_buffers(layer_idx))
+
     def check_step(self, write_index: Sequence[int], seq_len: int) -> None:
         """Refuse, on the host and before anything runs, a step of `seq_len` tokens a row at
         `write_index` that would write past a linear layer (a compiled graph cannot raise on data)."""
@@ -168,13 +172,20 @@ class KVCache(nn.Module, ABC):
         """
         buffers = self.layer_buffers(layer_idx)
         for buf, new in zip(buffers, (key, value)):
-            if self.rotating[layer_idx]:
-                _write_rotating(buf, new, write_index, num_new)
-            else:
-                # Padding lands beyond the row's length, where the mask hides it until a real
-                # token overwrites it; `check_step` keeps the write inside the buffer.
-                cache_write(buf, new, write_index)
+            self.write(layer_idx, buf, new, write_index, num_new)
         return buffers
+
+    def write(
+        self, layer_idx: int, buf: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor
+    ) -> None:
+        """Write a step's entries `new [B, H, T, *]` into `buf [B, H, L, *]` as layer `layer_idx`'s
+        layout says: linear at `write_index`, or rotating (`_write_rotating`)."""
+        if self.rotating[layer_idx]:
+            _write_rotating(buf, new, write_index, num_new)
+        else:
+            # Padding lands beyond the row's length, where the mask hides it until a real
+            # token overwrites it; `check_step` keeps the write inside the buffer.
+            cache_write(buf, new, write_index)
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
         """Tokens seen per row, `[B]` int64 (a tensor: the graph never specialises on it)."""

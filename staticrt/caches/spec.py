@@ -12,9 +12,25 @@ from ..config import ModelConfig
 from ..errors import CacheError, as_int
 
 # Cache kinds a user names; "auto" stands for what the config implies (`resolve_kind`).
-CACHE_KINDS = ("static", "sliding", "hybrid", "offloaded", "offloaded-hybrid", "sink")
+CACHE_KINDS = (
+    "static",
+    "sliding",
+    "hybrid",
+    "offloaded",
+    "offloaded-hybrid",
+    "sink",
+    "static-int8",
+    "sliding-int8",
+    "hybrid-int8",
+)
 CACHE_CHOICES = (*CACHE_KINDS, "auto")
-ROTATING_KINDS = ("sliding", "hybrid", "offloaded-hybrid")  # kinds that give some layers a rotating buffer
+ROTATING_KINDS = (
+    "sliding",
+    "hybrid",
+    "offloaded-hybrid",
+    "sliding-int8",
+    "hybrid-int8",
+)  # kinds that give some layers a rotating buffer
 DEFAULT_MAX_CACHE_LEN = 1024  # a default Static cache attends over every slot: keep it small
 
 

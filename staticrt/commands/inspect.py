@@ -31,7 +31,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 layout,
                 "host" if layout == "offloaded" else "device",
                 "x".join(map(str, key.shape)),
-                f"{2 * key.numel() * key.element_size():,}",
+                f"{cache.layer_bytes(i):,}",
             ]
         )
     title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"

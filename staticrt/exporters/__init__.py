@@ -94,8 +94,8 @@ def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], forma
         raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
     if spec.kind not in EXPORTABLE_CACHES:
         why = "its host transfers live outside the program"
-        if spec.kind == "sink":
-            why = "the exporters do not write its sink scores yet"
+        if spec.kind == "sink" or spec.kind.endswith("-int8"):
+            why = f"the exporters do not write its {'sink scores' if spec.kind == 'sink' else 'int8 K/V'} yet"
         raise ArtifactError(
             f"cache {spec.kind!r} cannot be exported ({why}); choose one of {', '.join(EXPORTABLE_CACHES)}"
         )
