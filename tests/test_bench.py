@@ -96,7 +96,9 @@ def test_offload_bench_runs_static_and_offloaded_caches_on_the_same_prompts():
 
 
 def test_offload_and_window_benches_are_separate():
-    with pytest.raises(BenchError, match="^--window and --offload/--kv-int8 compare different things; run them one at a time$"):
+    with pytest.raises(
+        BenchError, match="^--window and --offload/--kv-int8 compare different things; run them one at a time$"
+    ):
         run_bench("tiny-llama", ["eager"], prompt_len=64, window=64, offload=True)
 
 
