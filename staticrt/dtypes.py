@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CheckpointError
+from .errors import ArtifactError, CheckpointError
 
 DTYPES = {
     "float32": torch.float32,
@@ -13,19 +13,23 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
-    "int64": torch.int64,
-}  # int64: cache lengths, in artifact manifests
+}  # what a model computes in
+RECORDED = {**DTYPES, "int64": torch.int64, "int8": torch.int8}  # what a manifest records: lengths, int8 K/V
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A torch dtype from its name (or itself); an unknown name is refused with the choices."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        choices = ", ".join(name for name, value in DTYPES.items() if value.is_floating_point)
-        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {choices}") from None
+    """A model's dtype from its name (or itself); anything but these floats is refused with the choices."""
+    found = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(dtype)
+    if found not in DTYPES.values():
+        raise CheckpointError(f"dtype {dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return found
+
+
+def recorded_dtype(name: str) -> torch.dtype:
+    """The dtype an artifact's manifest names for a buffer."""
+    if name not in RECORDED:
+        raise ArtifactError(f"the manifest names dtype {name!r}, which this staticrt does not know; re-export")
+    return RECORDED[name]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -61,6 +61,18 @@ def test_bad_request_raises_before_state_changes(warm_generator, prompts, kwargs
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.parametrize("dtype", ["int64", "int8", "float8"])
+def test_a_model_dtype_that_is_not_a_float_is_refused_by_name(dtype):
+    """Manifests record int64 lengths and int8 K/V; a model computes in none of them."""
+    from staticrt.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as raised:
+        staticrt.load_model("tiny-llama", dtype=dtype)
+    assert str(raised.value) == (
+        f"dtype {dtype!r} is not supported; choose one of float32, fp32, bfloat16, bf16, float16, fp16"
+    )
+
+
 def test_unknown_backend_and_cache_kind():
     model = staticrt.load_model("tiny-llama")
     with pytest.raises(

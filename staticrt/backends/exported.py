@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..artifact import REEXPORT, program_name
-from ..dtypes import resolve_dtype
+from ..dtypes import recorded_dtype
 from ..errors import ArtifactError, check_positions
 from ..generate import SamplingParams
 from ..host_sampling import choose
@@ -35,7 +35,7 @@ def load_constants(folder: Path, manifest: dict[str, Any]) -> dict[str, torch.Te
     weights = load_file(str(source))
     constants = {}
     for name, layout in manifest["constants"].items():
-        tensor = torch.empty_strided(layout["shape"], layout["strides"], dtype=resolve_dtype(layout["dtype"]))
+        tensor = torch.empty_strided(layout["shape"], layout["strides"], dtype=recorded_dtype(layout["dtype"]))
         if name in weights:
             if weights[name].shape != tensor.shape:
                 raise ArtifactError(
