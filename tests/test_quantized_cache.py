@@ -135,5 +135,10 @@ def test_bench_times_the_int8_cache_beside_the_static_one():
         ("compiled-kvint8", "static-int8"),
         ("hf", "static"),
     ]
+    from staticrt.bench.probes import kv_bytes_per_step
+
+    config = staticrt.load_model("tiny-llama").config  # 2 layers, 2 KV heads, head_dim 16
+    assert kv_bytes_per_step(config, 1, 100, torch.float32) == 2 * 2 * 2 * 100 * 16 * 4
+    assert kv_bytes_per_step(config, 1, 100, torch.float32, int8=True) == 2 * 2 * 2 * 100 * (16 + 4)
     with pytest.raises(BenchError, match="^--window and --offload/--kv-int8 compare different things"):
         BenchRequest("bench-llama", ("compiled",), prompt_len=64, window=32, kv_int8=True).check()

@@ -182,7 +182,7 @@ def result(
     # llama.cpp reads its GGUF's tensors (the file, less its metadata)
     weight_bytes = res.get("gguf_bytes") or weight_bytes_per_step(model, request.batch_size)
     kv_dtype = torch.float16 if run.gguf else model.embed_tokens.weight.dtype  # llama.cpp's cache: f16
-    kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, kv_dtype)
+    kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, kv_dtype, run.cache.endswith("-int8"))
     stream_bps = statistics.median(samples)
     res.update(
         cache=run.cache,

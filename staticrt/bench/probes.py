@@ -32,10 +32,14 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     return total
 
 
-def kv_bytes_per_step(config: ModelConfig, batch_size: int, attended: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V a decode step must read when every layer attends to `attended` positions."""
+def kv_bytes_per_step(
+    config: ModelConfig, batch_size: int, attended: int, dtype: torch.dtype, int8: bool = False
+) -> int:
+    """Bytes of K and V a decode step must read when every layer attends to `attended` positions;
+    `int8`: an int8 cache, one byte a value plus a scale of `dtype` a token and head."""
     element = torch.finfo(dtype).bits // 8
-    return 2 * config.num_layers * batch_size * config.num_kv_heads * attended * config.head_dim * element
+    per_head = config.head_dim + element if int8 else config.head_dim * element
+    return 2 * config.num_layers * batch_size * config.num_kv_heads * attended * per_head
 
 
 class StreamProbe:
