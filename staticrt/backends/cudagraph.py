@@ -91,14 +91,15 @@ class CudaGraphBackend(CompiledBackend):
         batch, seq_len = input_ids.shape
         if seq_len == 1 and self.decode_from is None:
             self.decode_from = write_index.copy()
-        output = self.run(step_choice(uniforms is not None), input_ids, write_index, num_new, sampling, uniforms)
+        choice = step_choice(uniforms is not None)
+        output = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
         # The step's one device-to-host synchronisation: the chosen ids, copied out of the graph's
         # output before the next replay overwrites it.
         self.host_ids.copy_(output, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         next_ids = self.host_ids.numpy().copy()
         if seq_len == 1:  # the graph left these in its own input buffers
-            self.captured[1, step_choice(uniforms is not None)].expected = (next_ids.reshape(batch, 1), write_index + 1)
+            self.captured[1, choice].expected = (next_ids.reshape(batch, 1), write_index + 1)
         return next_ids
 
     def run(

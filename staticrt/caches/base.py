@@ -38,6 +38,7 @@ class KVCache(nn.Module, ABC):
     """
 
     kind = "base"
+    sinks = 0  # slots that keep the first positions for good (the sink cache's; sink.py)
 
     def __init__(
         self, config: ModelConfig, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str = "cpu"
@@ -149,7 +150,8 @@ class KVCache(nn.Module, ABC):
     def key_positions(self, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
         """`masks.key_positions` for a layer of this layout in a step at `positions [B, T]`."""
         slots = self.window if rotating else self.spec.max_cache_len
-        return masks.key_positions(positions, slots, rotating, self.writes_first(rotating, positions.shape[1]))
+        writes_first = self.writes_first(rotating, positions.shape[1])
+        return masks.key_positions(positions, slots, rotating, writes_first, self.sinks)
 
     def attention_window(self, attention: str) -> int | None:
         """How far back a layer of this attention kind sees: the model's window, or everything."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import KVCache
+from .base import KVCache, _nbytes
 from .hybrid import HybridCache
 from .sliding import SlidingWindowCache
 from .static import StaticCache
@@ -50,7 +50,7 @@ class Int8KV(KVCache):
         return getattr(self, f"key_{layer_idx}_scale"), getattr(self, f"value_{layer_idx}_scale")
 
     def layer_bytes(self, layer_idx: int) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.storage_buffers(layer_idx), *self.scales(layer_idx)))
+        return super().layer_bytes(layer_idx) + sum(_nbytes(scale) for scale in self.scales(layer_idx))
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V dequantized, `[B, H_kv, L, D]` in the cache's dtype: what attention reads."""

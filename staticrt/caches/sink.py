@@ -70,10 +70,6 @@ class SinkCache(KVCache):
         which is how far its index in the cache lies behind its position."""
         return (positions + 1 - self.window).clamp(min=0)
 
-    def key_positions(self, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
-        writes_first = self.writes_first(True, positions.shape[1])
-        return masks.key_positions(positions, self.window, True, writes_first, self.sinks)
-
     def mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
         """`KVCache.mask`, and of the positions past the sinks only the newest R = slots - S."""
         keys = self.key_positions(rotating, positions)
@@ -84,19 +80,10 @@ class SinkCache(KVCache):
     def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView:
         return SinkView(self, layer_idx, meta)
 
-    def update(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_idx: int,
-        write_index: torch.Tensor,
-        num_new: torch.Tensor,
-        after: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        buffers = self.layer_buffers(layer_idx)
-        for buf, new in zip(buffers, (key, value)):
-            _write_with_sinks(buf, new, write_index, num_new, self.sinks)
-        return buffers
+    def write(
+        self, layer_idx: int, buf: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor
+    ) -> None:
+        _write_with_sinks(buf, new, write_index, num_new, self.sinks)
 
 
 class SinkView(LayerView):

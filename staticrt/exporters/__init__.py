@@ -14,13 +14,14 @@ import torch
 from .. import __version__
 from ..artifact import FORMATS
 from ..artifact_write import write_artifact
-from ..caches import CacheSpec, KVCache, build_cache
+from ..caches import CACHE_CLASSES, CacheSpec, KVCache, build_cache
+from ..caches.quantized import Int8KV
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
 from ..model import Decoder
 
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
-INT8_CACHES = ("static-int8", "sliding-int8", "hybrid-int8")  # the torch formats only
+INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))  # torch formats only
 Stage = Callable[[str, float], None]  # (what finished, seconds it took)
 
 
