@@ -4,6 +4,8 @@ SmolLM2), compiled without recompiles."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import FAMILIES
@@ -12,7 +14,6 @@ import staticrt
 from staticrt.caches import CacheSpec, build_cache
 from staticrt.caches.quantized import quantize_int8
 from staticrt.checkpoint import load_config
-from staticrt.errors import ArtifactError
 
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], [1, 2]]
 
@@ -103,25 +104,25 @@ def test_the_real_model_keeps_its_answer_with_an_int8_cache(smollm2, chat_prompt
     assert 0 < difference < 0.05 * logits[0].abs().mean().item()
 
 
-def test_the_pt2_artifact_runs_the_int8_cache_and_onnx_is_refused(tmp_path):
-    """pt2 here; AOTInductor (the same programs compiled, ~50 s a tiny model) gave the same tokens by hand."""
+def test_pt2_and_onnx_artifacts_run_the_int8_cache_with_the_eager_tokens(tmp_path):
+    """pt2 and ONNX here; AOTInductor (the same programs compiled, ~50 s a tiny model) gave the same
+    tokens by hand. The ONNX graph's rotating layers attend before they write, every step, so this
+    also holds them to the tokens of eager's write-first decode (the step's own K/V round-trip)."""
     from staticrt.exporters import export_artifact
 
     model = staticrt.load_model("tiny-gemma2")  # sliding and global layers: hybrid-int8
-    spec = CacheSpec("hybrid-int8", 2, 96)
-    with pytest.raises(ArtifactError) as raised:
-        export_artifact(model, spec, [16], tmp_path / "artifact", formats=["pt2", "onnx"])
-    assert str(raised.value) == (
-        "cache 'hybrid-int8' exports to the torch formats (pt2, aoti) only: the ONNX graph does not take int8 K/V "
-        "yet; drop onnx from the formats or use cache 'hybrid'"
-    )
-    assert not (tmp_path / "artifact").exists()
-    export_artifact(model, spec, [16], tmp_path / "artifact", formats=["pt2"])
+    export_artifact(model, CacheSpec("hybrid-int8", 2, 96), [16], tmp_path / "artifact", formats=["pt2", "onnx"])
     prompts = [[5, 17, 99, 3, 200, 45, 8], list(range(1, 15))]
     expected = staticrt.Generator(model, cache="hybrid-int8", max_batch_size=2, max_cache_len=96).generate(prompts, 80)
-    gen = staticrt.load_artifact(tmp_path / "artifact", backend="pt2")
-    assert gen.backend.cache_kind == "hybrid-int8"
-    assert gen.generate(prompts, 80) == expected  # past gemma2's window of 64: the int8 buffers rotate
+    for backend in ("pt2", "onnx"):
+        gen = staticrt.load_artifact(tmp_path / "artifact", backend=backend)
+        assert gen.backend.cache_kind == "hybrid-int8"
+        assert gen.generate(prompts, 80) == expected, backend  # past gemma2's window of 64: the int8 buffers rotate
+    manifest = json.loads((tmp_path / "artifact" / "manifest.json").read_text())
+    inputs = {spec["name"]: (spec["shape"], spec["dtype"]) for spec in manifest["onnx"]["inputs"]}
+    assert inputs["past_key_values.0.key"] == (["batch_size", 2, 80, 16], "int8")  # a sliding layer: 64 + 16 slots
+    assert inputs["past_key_values.1.value_scale"] == (["batch_size", 2, 96, 1], "float32")
+    assert manifest["onnx"]["genai_config"] is None and not (tmp_path / "artifact" / "genai_config.json").exists()
 
 
 def test_bench_times_the_int8_cache_beside_the_static_one():

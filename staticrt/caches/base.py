@@ -39,6 +39,7 @@ class KVCache(nn.Module, ABC):
 
     kind = "base"
     sinks = 0  # slots that keep the first positions for good (the sink cache's; sink.py)
+    parts = ("key", "value")  # what a layer stores, each a buffer `{part}_{layer}` (`part_layout`)
 
     def __init__(
         self, config: ModelConfig, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str = "cpu"
@@ -83,10 +84,30 @@ class KVCache(nn.Module, ABC):
         if host:
             self.host_names.add(name)
 
+    def part_layout(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """What a layer whose K (and V) is `shape` stores, part by part: (name, shape, dtype), in
+        the order `encode` returns them. A float cache stores K and V as they are (quantized.py
+        adds scales); each part is a buffer `{name}_{layer}`, and an input of the ONNX graph."""
+        return [(part, shape, self.dtype) for part in self.parts]
+
+    def encode(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A step's `key`/`value [B, H_kv, T, D]` as stored, one tensor a part of `part_layout`."""
+        return key, value
+
+    def decode(self, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's stored parts -> the K/V `[B, H_kv, L, D]` attention reads."""
+        key, value = parts
+        return key, value
+
+    def round_trip(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's own K/V as a later step reads them back: a step that attends before it writes
+        (view.py) sees its own entries as one that writes first does, whatever the cache stores."""
+        return self.decode(self.encode(key, value))
+
     def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
-        """Allocate layer `layer_idx`'s K/V on the cache's device (offloaded.py puts some on the host)."""
-        for name in (f"key_{layer_idx}", f"value_{layer_idx}"):
-            self.register_static(name, torch.zeros(shape, dtype=self.dtype, device=self.device))
+        """Allocate layer `layer_idx`'s parts on the cache's device (offloaded.py puts some on the host)."""
+        for part, part_shape, dtype in self.part_layout(shape):
+            self.register_static(f"{part}_{layer_idx}", torch.zeros(part_shape, dtype=dtype, device=self.device))
 
     @property
     def max_sequence_len(self) -> int | None:
@@ -101,13 +122,17 @@ class KVCache(nn.Module, ABC):
         """The K/V buffers `[B, H_kv, L, D]` a layer writes and attends to, on the cache's device."""
         return getattr(self, f"key_{layer_idx}"), getattr(self, f"value_{layer_idx}")
 
-    def storage_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where layer `layer_idx`'s K/V is kept between steps: its device buffers here, host
-        storage in an offloaded layer."""
+    def step_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """The buffers a step writes layer `layer_idx`'s `encode`d parts into, on the cache's device."""
         return self.layer_buffers(layer_idx)
 
+    def storage_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """Where layer `layer_idx`'s parts are kept between steps, K first: its device buffers
+        here, host storage in an offloaded layer."""
+        return self.step_buffers(layer_idx)
+
     def layer_bytes(self, layer_idx: int) -> int:
-        """Bytes layer `layer_idx` keeps its K and V in (scales included, where there are any)."""
+        """Bytes layer `layer_idx` keeps its parts in (K, V, and scales where there are any)."""
         return sum(_nbytes(t) for t in self.storage_buffers(layer_idx))
 
     def check_step(self, write_index: Sequence[int], seq_len: int) -> None:
@@ -172,10 +197,9 @@ class KVCache(nn.Module, ABC):
         `after` is the attention output a read-first write must follow; in-place writes follow it
         anyway (program order), a functional write (the ONNX graph's) has to be told.
         """
-        buffers = self.layer_buffers(layer_idx)
-        for buf, new in zip(buffers, (key, value)):
+        for buf, new in zip(self.step_buffers(layer_idx), self.encode(key, value), strict=True):
             self.write(layer_idx, buf, new, write_index, num_new)
-        return buffers
+        return self.layer_buffers(layer_idx)
 
     def write(
         self, layer_idx: int, buf: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor

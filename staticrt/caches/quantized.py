@@ -13,9 +13,11 @@ D = 64, 26.6% of a float32 cache and 51.6% of a bfloat16 one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .base import KVCache, _nbytes
+from .base import KVCache
 from .hybrid import HybridCache
 from .sliding import SlidingWindowCache
 from .static import StaticCache
@@ -33,45 +35,32 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Int8KV(KVCache):
     """What the int8 kinds add to a float layout: int8 storage with scales, dequantized on read."""
 
-    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
+    parts = ("key", "value", "key_scale", "value_scale")
+
+    def part_layout(self, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """int8 K and V `[B, H_kv, L, D]`, then their scales `[B, H_kv, L, 1]` in the cache's dtype."""
         scales = (*shape[:-1], 1)
-        for name in (f"key_{layer_idx}", f"value_{layer_idx}"):
-            self.register_static(name, torch.zeros(shape, dtype=torch.int8, device=self.device))
-            self.register_static(f"{name}_scale", torch.zeros(scales, dtype=self.dtype, device=self.device))
+        return list(zip(self.parts, (shape, shape, scales, scales), (torch.int8, torch.int8, self.dtype, self.dtype)))
+
+    def encode(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        (key_q, key_scale), (value_q, value_scale) = quantize_int8(key), quantize_int8(value)
+        return key_q, value_q, key_scale, value_scale
+
+    def decode(self, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, H_kv, L, D]` in the cache's dtype: values times their token's scale."""
+        key, value, key_scale, value_scale = parts
+        return key.to(self.dtype) * key_scale, value.to(self.dtype) * value_scale
 
     def layer_layout(self, layer_idx: int) -> str:
         return f"{super().layer_layout(layer_idx)}-int8"
 
-    def storage_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 K/V `[B, H_kv, L, D]` (their scales `[B, H_kv, L, 1]` beside them)."""
-        return getattr(self, f"key_{layer_idx}"), getattr(self, f"value_{layer_idx}")
-
-    def scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return getattr(self, f"key_{layer_idx}_scale"), getattr(self, f"value_{layer_idx}_scale")
-
-    def layer_bytes(self, layer_idx: int) -> int:
-        return super().layer_bytes(layer_idx) + sum(_nbytes(scale) for scale in self.scales(layer_idx))
+    def step_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """The int8 K/V `[B, H_kv, L, D]` and their scales `[B, H_kv, L, 1]`."""
+        return tuple(getattr(self, f"{part}_{layer_idx}") for part in self.parts)
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V dequantized, `[B, H_kv, L, D]` in the cache's dtype: what attention reads."""
-        pairs = zip(self.storage_buffers(layer_idx), self.scales(layer_idx))
-        return tuple(values.to(self.dtype) * scale for values, scale in pairs)
-
-    def update(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_idx: int,
-        write_index: torch.Tensor,
-        num_new: torch.Tensor,
-        after: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize the step's `key`/`value [B, H_kv, T, D]` and write values and scales in place, as
-        the float layout writes (linear or rotating); return the layer's dequantized K/V."""
-        for buf, scale_buf, new in zip(self.storage_buffers(layer_idx), self.scales(layer_idx), (key, value)):
-            for target, part in zip((buf, scale_buf), quantize_int8(new)):
-                self.write(layer_idx, target, part, write_index, num_new)
-        return self.layer_buffers(layer_idx)
+        return self.decode(self.step_buffers(layer_idx))
 
 
 class StaticInt8Cache(Int8KV, StaticCache):

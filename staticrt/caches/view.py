@@ -10,7 +10,8 @@ Where it is exact, a step writes its new entries first and then attends to the b
 a window back). A rotating layer in a multi-token step instead attends to the buffer as it was
 plus the step's own K/V, and writes afterwards: a query early in a long chunk still needs
 positions that the chunk's later tokens overwrite. The two parts' scores are joined, never the
-K/V. Write-first stays the rule elsewhere because a compiled graph that reads a buffer and then
+K/V (the step's own enter as the cache stores them, `round_trip`: an int8 cache reads the same
+either way). Write-first stays the rule elsewhere because a compiled graph that reads a buffer and then
 mutates it keeps the old contents alive, and inductor copies the whole buffer every step.
 """
 
@@ -52,6 +53,8 @@ class ViewedCache(Protocol):
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def round_trip(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def update(
         self,
         key: torch.Tensor,
@@ -82,7 +85,8 @@ class LayerView:
             keys, _ = self.cache.layer_buffers(self.layer_idx)
         scores = q @ keys.transpose(-1, -2)
         if not self.writes_first:
-            scores = torch.cat([scores, q @ k.transpose(-1, -2)], dim=-1)  # [B, H_kv, G*T, L + T]
+            own, _ = self.cache.round_trip(k, v)
+            scores = torch.cat([scores, q @ own.transpose(-1, -2)], dim=-1)  # [B, H_kv, G*T, L + T]
         return scores
 
     def weigh(self, probs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -92,6 +96,7 @@ class LayerView:
         held = values.shape[2]
         out = probs[..., :held] @ values
         if not self.writes_first:
-            out = out + probs[..., held:] @ v
+            _, own = self.cache.round_trip(k, v)
+            out = out + probs[..., held:] @ own
             self.cache.update(k, v, self.layer_idx, self.meta.write_index, self.meta.num_new, after=out)
         return out

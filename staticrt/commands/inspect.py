@@ -22,7 +22,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")
     rows = []
     for i, attention in enumerate(config.layer_types):
-        key, _ = cache.storage_buffers(i)
+        key = cache.storage_buffers(i)[0]
         layout = cache.layer_layout(i)
         rows.append(
             [

@@ -21,7 +21,7 @@ from ..errors import ArtifactError
 from ..model import Decoder
 
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
-INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))  # torch formats only
+INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))
 Stage = Callable[[str, float], None]  # (what finished, seconds it took)
 
 
@@ -94,11 +94,6 @@ def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], forma
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
-    if spec.kind in INT8_CACHES and "onnx" in formats:
-        raise ArtifactError(
-            f"cache {spec.kind!r} exports to the torch formats (pt2, aoti) only: the ONNX graph does not take int8 "
-            f"K/V yet; drop onnx from the formats or use cache {spec.kind.removesuffix('-int8')!r}"
-        )
     if spec.kind not in EXPORTABLE_CACHES + INT8_CACHES:
         why = "its host transfers live outside the program"
         if spec.kind == "sink":

@@ -7,6 +7,12 @@ fixed by the cache):
            included), position_ids [B, S] int64, past_key_values.{i}.key|value [B, H_kv, N_i, D]
   outputs  logits [B, 1, V] (the step's last column), present.{i}.key|value [B, H_kv, N_i, D]
 
+An int8 cache (caches/quantized.py) stores int8 K/V and adds past_key_values.{i}.key_scale|value_scale
+[B, H_kv, N_i, 1] (and their presents) in the model's dtype: the graph quantizes the step's entries
+and dequantizes what attention reads with plain arithmetic (Abs, ReduceMax, Div, Round, Clip, Cast,
+Mul), standard ops every runtime has. onnxruntime-genai has no input for the scales, so such an
+artifact has no genai_config.json; staticrt's runner binds every past by name and runs it.
+
 Cache slots follow the attention mask's columns, as in transformers and onnxruntime-genai: this
 step's S entries go to columns T - S .. T - 1, written by the standard `TensorScatter` (opset 24)
 at T - S (T counted to each row's last marked column, see `marked_columns`), mode `linear` for a
@@ -69,16 +75,16 @@ def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
     batch, seq_len, total = cache.spec.max_batch_size, 5, 7
     device = cache.device
     past = [
-        torch.zeros(cache.layer_shape(n), dtype=cache.dtype, device=device)
+        torch.zeros(shape, dtype=dtype, device=device)
         for n in cache.layer_lengths
-        for _ in range(2)
+        for _, shape, dtype in cache.part_layout(cache.layer_shape(n))
     ]
     ids = torch.zeros(batch, seq_len, dtype=torch.int64, device=device)
     return ids, torch.ones(batch, total, dtype=torch.int64, device=device), ids.clone(), *past
 
 
-def io_names(layers: int) -> tuple[list[str], list[str]]:
-    kv = [f"{i}.{part}" for i in range(layers) for part in ("key", "value")]
+def io_names(cache: KVCache) -> tuple[list[str], list[str]]:
+    kv = [f"{i}.{part}" for i in range(len(cache.rotating)) for part in cache.parts]
     return (
         ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{n}" for n in kv)],
         ["logits", *(f"present.{n}" for n in kv)],
@@ -91,14 +97,13 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
 
     step = OnnxStep(model, cache).eval()
     batch, seq_len, total = Dim("batch_size"), Dim("sequence_length"), Dim("total_sequence_length")
-    layers = len(cache.rotating)
     dynamic = (
         {0: batch, 1: seq_len},
         {0: batch, 1: total},
         {0: batch, 1: seq_len},
-        tuple({0: batch} for _ in range(2 * layers)),
+        tuple({0: batch} for _ in range(len(cache.parts) * len(cache.rotating))),
     )
-    inputs, outputs = io_names(layers)
+    inputs, outputs = io_names(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The exporter reports progress and benign notes (missing torchvision, merged axis names) as
     # warnings; staticrt shows its own stages instead.
@@ -159,7 +164,6 @@ def genai_config(cache: KVCache) -> dict[str, Any]:
     buffer; `context_length` is the positions a row can reach (the model's for an all-rotating cache)."""
     c = cache.config
     context = cache.max_sequence_len or c.max_position_embeddings
-    inputs, outputs = io_names(1)
     decoder: dict[str, Any] = {
         "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
         "filename": GRAPH,
@@ -221,5 +225,8 @@ def write_onnx(
     path = folder / GRAPH
     timed("trace and translate to ONNX", lambda: export_graph(model, cache, path))
     timed("check the graph (onnx.checker, full_check)", lambda: onnx.checker.check_model(str(path), full_check=True))
-    (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
-    return {"onnx": {"graph": GRAPH, "genai_config": GENAI_CONFIG, **graph_io(path)}}
+    genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales
+    if cache.parts == ("key", "value"):
+        (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
+        genai = GENAI_CONFIG
+    return {"onnx": {"graph": GRAPH, "genai_config": genai, **graph_io(path)}}

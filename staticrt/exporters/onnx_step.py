@@ -26,17 +26,19 @@ class GraphCache(KVCache):
     column. It is mixed in before a cache class (`graph_cache`), which decides as it always does
     which layers rotate and how many slots each holds; only the K/V buffers are left out."""
 
-    past: list[tuple[torch.Tensor, torch.Tensor]]  # this step's K/V inputs, set by `bind`
-    present: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> its written K/V outputs
+    past: list[tuple[torch.Tensor, ...]]  # per layer, this step's inputs of its parts (`bind`)
+    present: dict[int, tuple[torch.Tensor, ...]]  # layer -> its written parts, the step's outputs
     inputs: StepInputs
 
     def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
-        """No buffers: each layer's K/V arrives as `past_key_values.{i}.*`, shaped `layer_shape`."""
+        """No buffers: each layer's parts arrive as `past_key_values.{i}.{part}` (`part_layout`)."""
 
     def bind(self, past: list[torch.Tensor], inputs: StepInputs) -> None:
-        """Take this step's inputs: `past` as [key_0, value_0, key_1, ...], each `[B, H_kv, N_i, D]`."""
-        assert len(past) == 2 * len(self.rotating), f"{len(past)} past tensors for {len(self.rotating)} layers"
-        self.past = [(past[2 * i], past[2 * i + 1]) for i in range(len(self.rotating))]
+        """Take this step's inputs: `past` as layer 0's parts (key, value[, key_scale, value_scale]),
+        then layer 1's, ...; K and V `[B, H_kv, N_i, D]`."""
+        n, layers = len(self.parts), len(self.rotating)
+        assert len(past) == n * layers, f"{len(past)} past tensors for {layers} layers of {n} parts"
+        self.past = [tuple(past[n * i : n * (i + 1)]) for i in range(layers)]
         self.present = {}
         self.inputs = inputs
 
@@ -52,8 +54,11 @@ class GraphCache(KVCache):
         """Rotating layers always attend first: one graph serves every S, decode included."""
         return not rotating
 
-    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
         return self.present.get(layer_idx, self.past[layer_idx])
+
+    def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode(self.step_buffers(layer_idx))
 
     def update(
         self,
@@ -64,7 +69,8 @@ class GraphCache(KVCache):
         num_new: torch.Tensor,
         after: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """present = TensorScatter(past, new, T - S); a rotating layer keeps the newest min(S, window)."""
+        """present = TensorScatter(past, new, T - S) for each part; a rotating layer keeps the newest
+        min(S, window)."""
         rotating = self.rotating[layer_idx]
         if rotating:
             seq_len = key.shape[2]
@@ -73,9 +79,9 @@ class GraphCache(KVCache):
             write_index = write_index + dropped
         self.present[layer_idx] = tuple(
             tensor_scatter(buf, new, write_index, rotating, after)
-            for buf, new in zip(self.past[layer_idx], (key, value))
+            for buf, new in zip(self.past[layer_idx], self.encode(key, value), strict=True)
         )
-        return self.present[layer_idx]
+        return self.layer_buffers(layer_idx)
 
     def mask(self, attention: str, rotating: bool, positions: torch.Tensor) -> torch.Tensor:
         """`[B, 1, S, L(+S)]`: the columns a layer holds (`masks.key_positions` of the step's
