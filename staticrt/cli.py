@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-int8",
         action="store_true",
         help="run each staticrt backend with a Static and a static-int8 cache (K/V int8 with a scale a "
-        "token and head) and report the int8 step's cost; a long --prompt-len shows it",
+        "token and head), and hf also with transformers' QuantizedCache (optimum-quanto int4: "
+        "pip install 'staticrt[kvquant]'), and report each one's step cost and cache bytes; a long "
+        "--prompt-len shows it",
     )
     bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     bench.add_argument(

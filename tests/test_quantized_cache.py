@@ -125,21 +125,40 @@ def test_pt2_and_onnx_artifacts_run_the_int8_cache_with_the_eager_tokens(tmp_pat
     assert manifest["onnx"]["genai_config"] is None and not (tmp_path / "artifact" / "genai_config.json").exists()
 
 
-def test_bench_times_the_int8_cache_beside_the_static_one():
-    from staticrt.bench.plan import BenchRequest, plan_runs
+def test_bench_times_the_int8_cache_beside_the_static_one_and_transformers_quantized_cache(monkeypatch):
+    from staticrt.bench import run_bench
+    from staticrt.bench.plan import BenchRequest
+    from staticrt.bench.probes import kv_bytes_per_step
     from staticrt.errors import BenchError
 
-    request = BenchRequest("bench-llama", ("compiled", "hf"), prompt_len=8, kv_int8=True)
-    runs = plan_runs(request, [[1] * 8])
-    assert [(r.label, r.cache) for r in runs] == [
-        ("compiled-static", "static"),
-        ("compiled-kvint8", "static-int8"),
+    options = dict(new_tokens=8, prompt_len=24, repeats=1, kv_int8=True, device="cpu")
+    report = run_bench("tiny-llama", ["eager", "hf"], **options)
+    runs = report["backends"]
+    assert [(label, r["cache"]) for label, r in runs.items()] == [
+        ("eager-static", "static"),
+        ("eager-kvint8", "static-int8"),
         ("hf", "static"),
+        ("hf-kvquanto", "quanto-int4"),
     ]
-    from staticrt.bench.probes import kv_bytes_per_step
-
+    assert report["tokens_agree"]  # the float caches' tokens; the quantized ones are reported
+    assert runs["eager-kvint8"]["tokens"][0][:4] == runs["eager-static"]["tokens"][0][:4]
+    for label in ("eager-kvint8", "hf-kvquanto"):
+        assert report["ratios"][f"{label}_step_cost_vs_static"] > 0
     config = staticrt.load_model("tiny-llama").config  # 2 layers, 2 KV heads, head_dim 16
     assert kv_bytes_per_step(config, 1, 100, torch.float32) == 2 * 2 * 2 * 100 * 16 * 4
     assert kv_bytes_per_step(config, 1, 100, torch.float32, int8=True) == 2 * 2 * 2 * 100 * (16 + 4)
+    assert runs["eager-kvint8"]["cache_device_bytes"] == 2 * 2 * 2 * 32 * (16 + 4) + 8  # 32 slots, and seq_lens
+    # transformers' cache, measured on its tensors: 24 prompt entries as int4 with group scales and
+    # shifts, and the 7 decoded since in float32 (its residual)
+    quanto = runs["hf-kvquanto"]["cache_device_bytes"]
+    assert 2 * 2 * 2 * 24 * 16 // 2 + 2 * 2 * 2 * 7 * 16 * 4 < quanto < 2 * 2 * 2 * 31 * 16 * 4
+    assert runs["hf-kvquanto"]["kv_bytes_per_step"] == quanto
     with pytest.raises(BenchError, match="^--window and --offload/--kv-int8 compare different things"):
         BenchRequest("bench-llama", ("compiled",), prompt_len=64, window=32, kv_int8=True).check()
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # optimum-quanto not installed
+    with pytest.raises(BenchError) as raised:
+        BenchRequest("bench-llama", ("compiled", "hf"), kv_int8=True).check()
+    assert str(raised.value) == (
+        "--kv-int8 with hf also times transformers' QuantizedCache, which needs optimum-quanto: "
+        "pip install 'staticrt[kvquant]', or drop hf from --backends"
+    )

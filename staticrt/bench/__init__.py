@@ -25,7 +25,7 @@ from ..errors import BenchError
 from ..model import Decoder
 from ..quantize import QUANTIZED_DTYPES
 from .contenders import Contender, staticrt_contender
-from .plan import BenchRequest, Run, bench_prompts, plan_runs
+from .plan import QUANTO_CACHE, BenchRequest, Run, bench_prompts, plan_runs
 from .probes import StreamProbe, copy_bytes_per_s, kv_bytes_per_step, weight_bytes_per_step
 
 Stage = Callable[[str], None]
@@ -84,7 +84,7 @@ def run_bench(
                 if r["prompt_len"] == request.prompt_len
                 and r["quantize"] == "none"
                 and "gguf" not in r
-                and r.get("cache") != "static-int8"
+                and r["cache"] not in ("static-int8", QUANTO_CACHE)
             }
         )
         < 2,
@@ -130,7 +130,7 @@ def warm_up(models: dict[str, Decoder], runs: list[Run], new_tokens: int, on_sta
         if run.gguf is not None:
             contenders[run.label] = llamacpp_contender(run.gguf, run.prompts, new_tokens)
         elif run.backend == "hf":
-            contenders[run.label] = hf_contender(model, run.prompts, new_tokens)
+            contenders[run.label] = hf_contender(model, run.prompts, new_tokens, run.cache)
         else:
             contenders[run.label] = staticrt_contender(
                 model, run.backend, run.prompts, new_tokens, run.cache, run.max_cache_len
@@ -183,6 +183,8 @@ def result(
     weight_bytes = res.get("gguf_bytes") or weight_bytes_per_step(model, request.batch_size)
     kv_dtype = torch.float16 if run.gguf else model.embed_tokens.weight.dtype  # llama.cpp's cache: f16
     kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, kv_dtype, run.cache.endswith("-int8"))
+    if run.cache == QUANTO_CACHE:  # it dequantizes all it holds every step
+        kv_bytes = res["cache_device_bytes"]
     stream_bps = statistics.median(samples)
     res.update(
         cache=run.cache,
@@ -212,10 +214,11 @@ def machine() -> dict[str, Any]:
 
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:
-    """Decode speedups against transformers; for sliding, offloaded and int8-cache runs, their step cost over a
-    Static cache of the same attended length; for ONNX Runtime, its step cost over the compiled
-    torch backend; for a quantized variant, its speedup over the same run on the float weights;
-    for every run, its speedup over each llama.cpp run."""
+    """Decode speedups against transformers; for sliding, offloaded and quantized-cache runs (staticrt's
+    int8, transformers' QuantizedCache), their step cost over the same backend's Static cache of the
+    same attended length; for ONNX Runtime, its step cost over the compiled torch backend; for a
+    quantized variant, its speedup over the same run on the float weights; for every run, its
+    speedup over each llama.cpp run."""
     step = {label: res["decode_ms_per_token"] for label, res in results.items()}
     found = {}
     for label, res in results.items():
@@ -231,8 +234,9 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         if label.startswith("onnx") and compiled in step:
             found[f"{label}_decode_cost_vs_{compiled}"] = step[label] / step[compiled]
         base, _, variant = label.rpartition("-")
-        if variant in ("sliding", "offloaded", "kvint8") and f"{base}-static" in step:
-            found[f"{label}_step_cost_vs_static"] = step[label] / step[f"{base}-static"]
+        static = f"{base}-static" if f"{base}-static" in step else base  # "hf" is transformers' static cache
+        if variant in ("sliding", "offloaded", "kvint8", "kvquanto") and static in step:
+            found[f"{label}_step_cost_vs_static"] = step[label] / step[static]
     return found
 
 

@@ -1,5 +1,5 @@
 """transformers as a contender: its own static-cache `generate`, decode step compiled, on the very
-weights staticrt runs, timed token by token."""
+weights staticrt runs, timed token by token; and beside an int8 cache, its QuantizedCache."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from ..config import config_to_hf
 from ..model import Decoder
 from .contenders import Contender
+from .plan import QUANTO_CACHE
+from .probes import stored_bytes
 
 
 def hf_model_like(model: Decoder) -> Any:
@@ -41,30 +43,42 @@ class _TokenClock:
         pass
 
 
-def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int) -> Contender:
+# transformers' QuantizedCache on optimum-quanto, at its lowest-error setting (quanto takes 2 or 4
+# bits, no 8): int4 in groups of 64 with a scale and shift each, the newest 128 entries kept in
+# full precision and the whole cache re-quantized when they fill. It cannot be compiled.
+QUANTO_CONFIG = {"backend": "quanto", "nbits": 4}
+
+
+def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int, cache: str = "static") -> Contender:
     """transformers' own static-cache `generate` with its decode step compiled by torch.compile
-    (fullgraph, static shapes), on the same weights, timed token by token through a streamer."""
+    (fullgraph, static shapes), or with `cache` QUANTO_CACHE its QuantizedCache (eager), on the
+    same weights, timed token by token through a streamer. The quantized run reports the bytes
+    its cache holds once generation ends (`cache_device_bytes`), measured on its tensors."""
     from transformers import CompileConfig
 
     device = next(model.parameters()).device
     hf = hf_model_like(model).to(device)
-    # Its sliding-window layers branch on a Python int length that grows every step: with static
-    # shapes that is a recompile a token (and a hard failure under fullgraph), so there dynamo may
-    # turn the int symbolic after the first recompile.
-    dynamic = None if model.config.sliding_window else False
-    compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, mode="default")
-    compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         attention_mask=torch.ones_like(ids),
         do_sample=False,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
-        cache_implementation="static",
-        compile_config=compile_config,
         eos_token_id=None,
         pad_token_id=0,
+        return_dict_in_generate=True,
     )
+    if cache == QUANTO_CACHE:
+        kwargs.update(cache_implementation="quantized", cache_config=QUANTO_CONFIG)
+    else:
+        # Its sliding-window layers branch on a Python int length that grows every step: with
+        # static shapes that is a recompile a token (and a hard failure under fullgraph), so
+        # there dynamo may turn the int symbolic after the first recompile.
+        dynamic = None if model.config.sliding_window else False
+        compile_config = CompileConfig(fullgraph=True, dynamic=dynamic, mode="default")
+        compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+        kwargs.update(cache_implementation="static", compile_config=compile_config)
+    held: dict[str, Any] = {}
 
     def generate() -> tuple[float, float, list[list[int]]]:
         clock = _TokenClock()
@@ -73,8 +87,21 @@ def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int) -> C
             out = hf.generate(ids, streamer=clock, **kwargs)
         first = clock.stamps[1] if len(clock.stamps) > 1 else time.perf_counter()
         gaps = np.diff(clock.stamps[1:])
-        return first - start, float(np.median(gaps)), out[:, ids.shape[1] :].tolist()
+        if cache == QUANTO_CACHE:
+            held["cache_device_bytes"] = cache_bytes(out.past_key_values)
+        return first - start, float(np.median(gaps)), out.sequences[:, ids.shape[1] :].tolist()
 
     start = time.perf_counter()
     _, _, tokens = generate()
-    return Contender(lambda: generate()[:2], tokens, time.perf_counter() - start)
+    return Contender(lambda: generate()[:2], tokens, time.perf_counter() - start, lambda: dict(held))
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes a transformers cache's layers hold in tensors (a quantized one's packed data, scales
+    and shifts, and its full-precision residual)."""
+    return sum(
+        stored_bytes(value)
+        for layer in cache.layers
+        for value in vars(layer).values()
+        if isinstance(value, torch.Tensor)
+    )

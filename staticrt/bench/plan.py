@@ -4,6 +4,7 @@ list of runs (label, backend, cache, prompts) it expands to."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 from ..errors import BenchError
 from ..quant_spec import parse_quantize
 
+QUANTO_CACHE = "quanto-int4"  # transformers' QuantizedCache (bench/hf.py)
 FLOAT_ONLY = ("hf", "onnx")  # transformers' model and the exported graph take float weights only
 
 # The defaults of `staticrt bench` and `run_bench`: a short prompt and enough tokens that the
@@ -23,7 +25,7 @@ NEW_TOKENS, PROMPT_LEN, REPEATS = 64, 32, 5
 class BenchRequest:
     """A benchmark as asked for. With `window`, every layer gets that sliding window; with
     `offload` (`kv_int8`), each staticrt backend also runs with an OffloadedStatic (static-int8)
-    cache. Each of `quantize`
+    cache, and with `kv_int8` transformers also with its QuantizedCache. Each of `quantize`
     ("none", "int8", "int4-g64", ...) is a variant of the weights that every torch backend runs
     beside the others; transformers and ONNX Runtime run the float weights only."""
 
@@ -60,6 +62,11 @@ class BenchRequest:
             )
         if self.window is not None and (self.offload or self.kv_int8):
             raise BenchError("--window and --offload/--kv-int8 compare different things; run them one at a time")
+        if self.kv_int8 and "hf" in self.backends and importlib.util.find_spec("optimum.quanto") is None:
+            raise BenchError(
+                "--kv-int8 with hf also times transformers' QuantizedCache, which needs optimum-quanto: "
+                "pip install 'staticrt[kvquant]', or drop hf from --backends"
+            )
         if self.offload and "onnx" in self.backends:
             raise BenchError(
                 "offloaded caches do not export, so --offload cannot run the onnx backend; drop onnx from --backends"
@@ -109,7 +116,8 @@ def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     ("NAME-static": the same attended length, so the only difference is the rotating buffer),
     and "hf" with transformers' sliding-window cache; with `offload`, each staticrt backend with
     a Static ("NAME-static") and an OffloadedStatic ("NAME-offloaded") cache; with `kv_int8`, also
-    with a static-int8 cache ("NAME-kvint8"). A quantized variant
+    with a static-int8 cache ("NAME-kvint8"), and "hf" also with transformers' QuantizedCache
+    ("hf-kvquanto", optimum-quanto int4: quanto has no int8). A quantized variant
     of the weights is a backend of its own, "NAME-int8", run with the same caches; each GGUF file
     a llama.cpp run, "llamacpp-Q4_1"."""
     runs = _float_runs(request, prompts)
@@ -137,6 +145,8 @@ def _float_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
             runs += [dataclasses.replace(static, label=f"{name}-{tag}", cache=cache) for tag, cache in variants]
         elif request.window is None:
             runs.append(static)
+            if request.kv_int8:  # name is "hf"
+                runs.append(dataclasses.replace(static, label="hf-kvquanto", cache=QUANTO_CACHE))
         elif name == "hf":
             runs.append(Run(name, name, "sliding", prompts, request.window))
         else:
