@@ -4,6 +4,8 @@ SmolLM2), compiled without recompiles."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 
 import pytest
@@ -125,15 +127,23 @@ def test_pt2_and_onnx_artifacts_run_the_int8_cache_with_the_eager_tokens(tmp_pat
     assert manifest["onnx"]["genai_config"] is None and not (tmp_path / "artifact" / "genai_config.json").exists()
 
 
-def test_bench_times_the_int8_cache_beside_the_static_one_and_transformers_quantized_cache(monkeypatch):
-    from staticrt.bench import run_bench
+def test_bench_times_the_int8_cache_beside_the_static_one_and_transformers_quantized_cache(
+    tmp_path, monkeypatch, capsys
+):
+    """Through the CLI: the JSON and the table (CSV here), where each cache's bytes show."""
     from staticrt.bench.plan import BenchRequest
     from staticrt.bench.probes import kv_bytes_per_step
+    from staticrt.cli import main
     from staticrt.errors import BenchError
 
-    options = dict(new_tokens=8, prompt_len=24, repeats=1, kv_int8=True, device="cpu")
-    report = run_bench("tiny-llama", ["eager", "hf"], **options)
+    command = ["bench", "--model", "tiny-llama", "--backends", "eager,hf", "--kv-int8", "--new-tokens", "8"]
+    command += ["--prompt-len", "24", "--repeats", "1", "--device", "cpu", "--format", "csv"]
+    assert main([*command, "--json", str(tmp_path / "bench.json")]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
     runs = report["backends"]
+    table = {row[0]: row for row in csv.reader(io.StringIO(capsys.readouterr().out))}
+    column = table["backend"].index("cache MB device/host")
+    assert [table[label][column] for label in runs] == ["0.0/0.0", "0.0/0.0", "-", "0.0/0.0"]
     assert [(label, r["cache"]) for label, r in runs.items()] == [
         ("eager-static", "static"),
         ("eager-kvint8", "static-int8"),

@@ -40,6 +40,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             device=args.device,
             on_stage=update,
         )
+    if args.json:  # first: minutes of timing are not lost to a failure in what follows
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
     _show(args, report)
     if args.plot:
         from .plot import plot_report
@@ -48,9 +51,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"drew {args.plot}")
     if not report["tokens_agree"]:
         console.print("[red]backends produced different tokens[/]")
-    if args.json:
-        write_report(report, args.json)
-        console.print(f"wrote {args.json}")
     return 0 if report["tokens_agree"] else 1
 
 

@@ -88,7 +88,7 @@ def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int, cach
         first = clock.stamps[1] if len(clock.stamps) > 1 else time.perf_counter()
         gaps = np.diff(clock.stamps[1:])
         if cache == QUANTO_CACHE:
-            held["cache_device_bytes"] = cache_bytes(out.past_key_values)
+            held.update(cache_device_bytes=cache_bytes(out.past_key_values), cache_host_bytes=0)
         return first - start, float(np.median(gaps)), out.sequences[:, ids.shape[1] :].tolist()
 
     start = time.perf_counter()
