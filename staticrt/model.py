@@ -142,15 +142,27 @@ class Attention(nn.Module):
         # GQA without repeating K/V: the G query heads that share a KV head are stacked along the
         # query axis, so one batched matmul per KV head reads the cache once.
         q = q.reshape(batch, kv_heads, group * seq_len, dim)
+        if seq_len > 1 and view.fused and self.softcap is None:
+            out = view.attend(q, k, v, self.scale)  # SDPA: a long prefill's scores never materialise
+        else:
+            out = self.attend_apart(q, k, v, view)
+        out = out.view(batch, heads, seq_len, dim).transpose(1, 2).reshape(batch * seq_len, heads * dim)
+        return self.o_proj(out)
+
+    def attend_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView) -> torch.Tensor:
+        """`q [B, Hkv, G*T, D]` -> `[B, Hkv, G*T, D]` with the scores as a tensor of their own: a
+        decode step's are small and its own kernels are fastest (and exact against transformers'
+        eager attention), and Gemma2's softcap and the sink cache rewrite them."""
+        batch, seq_len = view.meta.batch, view.meta.seq_len
         scores = view.scores(q, k, v) * self.scale  # [B, Hkv, G*T, L (+ T)]; writes first where exact
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         length = scores.shape[-1]
-        scores = scores.view(batch, kv_heads, group, seq_len, length).masked_fill(~view.mask[:, :, None], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(batch, kv_heads, group * seq_len, length)
-        out = view.weigh(probs, k, v)  # [B, Hkv, G*T, D]; a step that read first writes here
-        out = out.view(batch, heads, seq_len, dim).transpose(1, 2).reshape(batch * seq_len, heads * dim)
-        return self.o_proj(out)
+        scores = scores.view(batch, self.num_kv_heads, -1, seq_len, length).masked_fill(
+            ~view.mask[:, :, None], float("-inf")
+        )
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(*q.shape[:3], length)
+        return view.weigh(probs, k, v)  # [B, Hkv, G*T, D]; a step that read first writes here
 
 
 class DecoderLayer(nn.Module):

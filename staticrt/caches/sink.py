@@ -90,6 +90,8 @@ class SinkView(LayerView):
     """A sink layer's view: scores against the sinks use the query rotated back by the evicted
     positions (the module docstring says why)."""
 
+    fused = False  # its scores are rewritten, so they are computed apart
+
     def scores(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scores = super().scores(q, k, v)  # [B, H_kv, G*T, L (+ T)]; G*T: the T queries of each group
         cache, positions = self.cache, self.meta.positions

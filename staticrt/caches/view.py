@@ -9,9 +9,10 @@ Where it is exact, a step writes its new entries first and then attends to the b
 (every linear layer; a rotating layer's decode step, whose one overwritten slot held the position
 a window back). A rotating layer in a multi-token step instead attends to the buffer as it was
 plus the step's own K/V, and writes afterwards: a query early in a long chunk still needs
-positions that the chunk's later tokens overwrite. The two parts' scores are joined, never the
-K/V (the step's own enter as the cache stores them, `round_trip`: an int8 cache reads the same
-either way). Write-first stays the rule elsewhere because a compiled graph that reads a buffer and then
+positions that the chunk's later tokens overwrite. A multi-token step joins the K/V and runs one
+fused SDPA (`attend`), whose scores never materialise; a one-token step, Gemma2's softcapped
+layers and the sink cache join the two parts' scores (`scores`, `weigh`). Either way the step's own K/V enter as the cache stores them
+(`round_trip`: an int8 cache reads the same either way). Write-first stays the rule elsewhere because a compiled graph that reads a buffer and then
 mutates it keeps the old contents alive, and inductor copies the whole buffer every step.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -88,6 +90,29 @@ class LayerView:
             own, _ = self.cache.round_trip(k, v)
             scores = torch.cat([scores, q @ own.transpose(-1, -2)], dim=-1)  # [B, H_kv, G*T, L + T]
         return scores
+
+    fused = True  # `attend` may serve multi-token steps (a view that rewrites scores says False)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """`softmax(q K^T * scale + mask) V` in one fused kernel (SDPA), for multi-token steps:
+        `scores` then `weigh` would materialise `[B, H_kv, G*T, L (+ T)]` scores several times,
+        which dominates a long prefill. `q [B, H_kv, G*T, D]`, `k`/`v [B, H_kv, T, D]` ->
+        `[B, H_kv, G*T, D]`; written first or after as `scores` and `weigh` are."""
+        meta = self.meta
+        batch, seq_len = meta.batch, meta.seq_len
+        if self.writes_first:
+            keys, values = self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
+        else:
+            held_k, held_v = self.cache.layer_buffers(self.layer_idx)
+            own_k, own_v = self.cache.round_trip(k, v)
+            keys, values = torch.cat([held_k, own_k], dim=2), torch.cat([held_v, own_v], dim=2)  # [B, H_kv, L + T, D]
+        length = keys.shape[2]
+        group = q.shape[2] // seq_len
+        mask = self.mask[:, :, None].expand(batch, 1, group, seq_len, length).reshape(batch, 1, group * seq_len, length)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        if not self.writes_first:
+            self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
+        return out
 
     def weigh(self, probs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`probs [B, H_kv, G*T, L (+ T)]` over the layer's values (and the step's own `v`) ->
