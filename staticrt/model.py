@@ -142,8 +142,10 @@ class Attention(nn.Module):
         # GQA without repeating K/V: the G query heads that share a KV head are stacked along the
         # query axis, so one batched matmul per KV head reads the cache once.
         q = q.reshape(batch, kv_heads, group * seq_len, dim)
-        if seq_len > 1 and view.fused and self.softcap is None:
-            out = view.attend(q, k, v, self.scale)  # SDPA: a long prefill's scores never materialise
+        # SDPA where it gives the explicit path's tokens: float32 (in bfloat16 it keeps the scores
+        # in float32 where transformers' eager attention rounds them, and tiny models' tokens part)
+        if seq_len > 1 and view.fused and self.softcap is None and q.dtype == torch.float32:
+            out = view.attend(q, k, v, self.scale)  # a long prefill's scores never materialise
         else:
             out = self.attend_apart(q, k, v, view)
         out = out.view(batch, heads, seq_len, dim).transpose(1, 2).reshape(batch * seq_len, heads * dim)
@@ -151,8 +153,8 @@ class Attention(nn.Module):
 
     def attend_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView) -> torch.Tensor:
         """`q [B, Hkv, G*T, D]` -> `[B, Hkv, G*T, D]` with the scores as a tensor of their own: a
-        decode step's are small and its own kernels are fastest (and exact against transformers'
-        eager attention), and Gemma2's softcap and the sink cache rewrite them."""
+        decode step's are small and its own kernels are fastest, they round as transformers' eager
+        attention does in bfloat16, and Gemma2's softcap and the sink cache rewrite them."""
         batch, seq_len = view.meta.batch, view.meta.seq_len
         scores = view.scores(q, k, v) * self.scale  # [B, Hkv, G*T, L (+ T)]; writes first where exact
         if self.softcap is not None:

@@ -11,8 +11,9 @@ a window back). A rotating layer in a multi-token step instead attends to the bu
 plus the step's own K/V, and writes afterwards: a query early in a long chunk still needs
 positions that the chunk's later tokens overwrite. A multi-token step joins the K/V and runs one
 fused SDPA (`attend`), whose scores never materialise; a one-token step, Gemma2's softcapped
-layers and the sink cache join the two parts' scores (`scores`, `weigh`). Either way the step's own K/V enter as the cache stores them
-(`round_trip`: an int8 cache reads the same either way). Write-first stays the rule elsewhere because a compiled graph that reads a buffer and then
+layers and the sink cache join the two parts' scores (`scores`, `weigh`). Either way the step's
+own K/V enter as the cache stores them (`round_trip`: an int8 cache reads the same either way).
+Write-first stays the rule elsewhere because a compiled graph that reads a buffer and then
 mutates it keeps the old contents alive, and inductor copies the whole buffer every step.
 """
 
