@@ -45,6 +45,10 @@ def test_without_cuda_cudagraph_runs_the_compiled_path_and_warns_once(monkeypatc
 CUDA_CASES = [(f, c) for f in ("llama", "qwen2", "mistral-sw16", "gemma2") for c in ("static", "offloaded")] + [
     ("mistral-sw16", "sliding"),
     ("gemma2", "hybrid"),
+    ("llama", "static-int8"),
+    ("mistral-sw16", "sliding-int8"),
+    ("gemma2", "hybrid-int8"),
+    ("llama", "sink"),
 ]
 
 
