@@ -139,15 +139,14 @@ class Attention(nn.Module):
         q = apply_rope(q.view(batch, seq_len, heads, dim).transpose(1, 2), *rope)  # [B, H, T, D]
         k = apply_rope(k.view(batch, seq_len, kv_heads, dim).transpose(1, 2), *rope)  # [B, Hkv, T, D]
         v = v.view(batch, seq_len, kv_heads, dim).transpose(1, 2)
-        # GQA without repeating K/V: the G query heads that share a KV head are stacked along the
-        # query axis, so one batched matmul per KV head reads the cache once.
-        q = q.reshape(batch, kv_heads, group * seq_len, dim)
         # SDPA where it gives the explicit path's tokens: float32 (in bfloat16 it keeps the scores
         # in float32 where transformers' eager attention rounds them, and tiny models' tokens part)
         if seq_len > 1 and view.fused and self.softcap is None and q.dtype == torch.float32:
-            out = view.attend(q, k, v, self.scale)  # a long prefill's scores never materialise
+            out = view.attend(q, k, v, self.scale)  # [B, H, T, D]; a long prefill's scores never materialise
         else:
-            out = self.attend_apart(q, k, v, view)
+            # GQA without repeating K/V: the G query heads that share a KV head are stacked along
+            # the query axis, so one batched matmul per KV head reads the cache once.
+            out = self.attend_apart(q.reshape(batch, kv_heads, group * seq_len, dim), k, v, view)
         out = out.view(batch, heads, seq_len, dim).transpose(1, 2).reshape(batch * seq_len, heads * dim)
         return self.o_proj(out)
 

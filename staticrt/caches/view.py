@@ -95,22 +95,18 @@ class LayerView:
     fused = True  # `attend` may serve multi-token steps (a view that rewrites scores says False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """`softmax(q K^T * scale + mask) V` in one fused kernel (SDPA), for multi-token steps:
-        `scores` then `weigh` would materialise `[B, H_kv, G*T, L (+ T)]` scores several times,
-        which dominates a long prefill. `q [B, H_kv, G*T, D]`, `k`/`v [B, H_kv, T, D]` ->
-        `[B, H_kv, G*T, D]`; written first or after as `scores` and `weigh` are."""
+        """`softmax(q K^T * scale + mask) V` in one fused kernel (SDPA, grouped-query), for
+        multi-token steps: `scores` then `weigh` would materialise `[B, H_kv, G*T, L (+ T)]` scores
+        several times, which dominates a long prefill. `q [B, H, T, D]`, `k`/`v [B, H_kv, T, D]` ->
+        `[B, H, T, D]`; written first or after as `scores` and `weigh` are."""
         meta = self.meta
-        batch, seq_len = meta.batch, meta.seq_len
         if self.writes_first:
             keys, values = self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
         else:
             held_k, held_v = self.cache.layer_buffers(self.layer_idx)
             own_k, own_v = self.cache.round_trip(k, v)
             keys, values = torch.cat([held_k, own_k], dim=2), torch.cat([held_v, own_v], dim=2)  # [B, H_kv, L + T, D]
-        length = keys.shape[2]
-        group = q.shape[2] // seq_len
-        mask = self.mask[:, :, None].expand(batch, 1, group, seq_len, length).reshape(batch, 1, group * seq_len, length)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True)
         if not self.writes_first:
             self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
         return out
