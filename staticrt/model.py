@@ -210,11 +210,13 @@ class Decoder(nn.Module):
         cache: KVCache,
         num_new: torch.Tensor | None = None,
         last_only: bool = True,
+        fresh: bool = False,
     ) -> torch.Tensor:
         """Run `input_ids [B, T]` at positions `write_index[b] + t`, writing the cache in place.
 
         `num_new [B]` counts each row's real tokens (the rest is right padding; default T). Returns
         logits `[B, V]` at each row's last real token, or `[B, T, V]` with `last_only=False`.
+        `fresh`: the caller knows every write_index is 0, so attention skips the cache's buffers.
         """
         batch, seq_len = input_ids.shape
         if num_new is None:
@@ -225,7 +227,7 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids.reshape(batch * seq_len))  # [B*T, C]
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        meta = cache.begin_step(write_index, num_new, seq_len)
+        meta = cache.begin_step(write_index, num_new, seq_len, fresh)
         rope = rope_tables(meta.positions, self.inv_freq, x.dtype)  # cos, sin [B, 1, T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache.view(i, meta, x))

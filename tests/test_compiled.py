@@ -27,7 +27,7 @@ def test_no_recompile_across_generations_in_one_bucket(tiny):
         first = compiled.generate(prompts_a, max_new_tokens=40)
         graphs = dict(compiled.backend._graphs)
         second = compiled.generate(prompts_b, max_new_tokens=40)
-    assert set(graphs) == {(16, "greedy"), (1, "greedy")}  # one prefill graph, one decode graph
+    assert set(graphs) == {(16, "greedy", True), (1, "greedy", False)}  # one prefill graph, one decode graph
     assert compiled.backend._graphs == graphs
     assert first == eager.generate(prompts_a, max_new_tokens=40)
     assert second == eager.generate(prompts_b, max_new_tokens=40)
@@ -117,8 +117,8 @@ def test_without_the_private_api_the_backend_warns_once_and_keeps_dynamo(monkeyp
         tokens = compiled.generate([[5, 6, 7]], max_new_tokens=6)
         assert compiled.generate([[5, 6, 7]], max_new_tokens=6) == tokens
     assert len([w for w in record if issubclass(w.category, guards.GuardSkipWarning)]) == 1
-    graph = compiled.backend._graphs[1, "greedy"]
-    assert compiled.backend.step_function(1, "greedy") is graph  # steps go through dynamo, as before the change
+    graph = compiled.backend._graphs[1, "greedy", False]
+    assert compiled.backend.step_function(1, "greedy", False) is graph  # steps go through dynamo, as before the change
     assert tokens == staticrt.Generator(model, max_batch_size=1, max_cache_len=64).generate(
         [[5, 6, 7]], max_new_tokens=6
     )
@@ -151,7 +151,7 @@ def test_graphs_built_once_are_not_compiled_again(tiny):
     assert gen.last_stats.compile_s == 0.0
     gen.generate([list(range(1, 20))], max_new_tokens=1)  # a new prefill bucket (32), no decode
     assert gen.last_stats.compile_s > 0
-    assert set(gen.backend._built) == {(16, "greedy"), (1, "greedy"), (32, "greedy")}
+    assert set(gen.backend._built) == {(16, "greedy", True), (1, "greedy", False), (32, "greedy", True)}
 
 
 def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_onednn(monkeypatch):

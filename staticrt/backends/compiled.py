@@ -21,15 +21,17 @@ import torch
 
 from ..errors import GenerationError
 from ..generate import SamplingParams
-from .eager import EagerBackend, StepFn, run_step, step_choice
+from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice
 from .guards import code_past_guards
 
 log = logging.getLogger("staticrt")
 
 
-def graph_name(seq_len: int, choice: str) -> str:
-    """What a graph is called in logs and in dynamo's code names: decode_greedy, prefill64_beam8, ..."""
-    return f"{'decode' if seq_len == 1 else f'prefill{seq_len}'}_{choice}"
+def graph_name(seq_len: int, choice: str, fresh: bool) -> str:
+    """What a graph is called in logs and in dynamo's code names: decode_greedy, prefill64_beam8
+    (rows from position 0, `starts_fresh`), chunk64_greedy (rows that hold tokens already), ..."""
+    width = "decode" if seq_len == 1 else f"{'prefill' if fresh else 'chunk'}{seq_len}"
+    return f"{width}_{choice}"
 
 
 def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
@@ -96,10 +98,10 @@ class CompiledBackend(EagerBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Graphs by (tokens a row, `step_choice`).
-        self._graphs: dict[tuple[int, str], StepFn] = {}
-        self._checked: dict[tuple[int, str], StepFn] = {}  # what runs a graph whose guards passed this generation
-        self._built: set[tuple[int, str]] = set()  # graphs that have run once: compiled (and captured)
+        # Graphs by (tokens a row, `step_choice`, `starts_fresh`).
+        self._graphs: dict[tuple[int, str, bool], StepFn] = {}
+        self._checked: dict[tuple[int, str, bool], StepFn] = {}  # what runs a graph whose guards passed this generation
+        self._built: set[tuple[int, str, bool]] = set()  # graphs that have run once: compiled (and captured)
         self._frozen_weights: list[tuple[int, int]] | None = None  # weights as a frozen graph holds them
 
     def reset(self) -> None:
@@ -118,7 +120,7 @@ class CompiledBackend(EagerBackend):
         """Each graph's first step of a generation goes through dynamo (guards, and a recompile
         if the model changed between generations); the rest run `past_guards` of it (guards.py).
         A `stream` callback must not change the model or the cache in the middle of a generation."""
-        key = (input_ids.shape[1], choice)
+        key = (input_ids.shape[1], choice, starts_fresh(write_index, input_ids.shape[1]))
         if key in self._checked:
             return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
         freezes = self.freezes(key[0])
@@ -145,14 +147,15 @@ class CompiledBackend(EagerBackend):
         `candidates` > 0: the graphs of a beam step (`beam_step`)."""
         spent, batch, choice = 0.0, self.batch_size, step_choice(do_sample, candidates)
         for width in widths:
-            if (width, choice) in self._built:
+            key = (width, choice, width > 1)  # at position 0: a prefill graph starts fresh
+            if key in self._built:
                 continue
-            name, began = graph_name(width, choice), time.perf_counter()
+            name, began = graph_name(*key), time.perf_counter()
             log.info("compiling the %s step graph (first use; later generations reuse it) ...", name)
             zeros, ones = np.zeros(batch, dtype=np.int64), np.ones(batch, dtype=np.int64)
             uniforms = np.zeros(batch, dtype=np.float32) if do_sample else None
             self.run(choice, np.zeros((batch, width), dtype=np.int64), zeros, ones, SamplingParams(do_sample), uniforms)
-            self._built.add((width, choice))
+            self._built.add(key)
             spent += time.perf_counter() - began
             log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
         return spent
@@ -175,13 +178,13 @@ class CompiledBackend(EagerBackend):
         called directly, or the graph itself where torch offers no such code."""
         return code_past_guards(graph) or graph
 
-    def step_function(self, seq_len: int, choice: str) -> StepFn:
-        key = (seq_len, choice)
+    def step_function(self, seq_len: int, choice: str, fresh: bool) -> StepFn:
+        key = (seq_len, choice, fresh)
         if key in self._checked:
             return self._checked[key]
         if key not in self._graphs:
             compiled = torch.compile(
-                _own_code_copy(run_step, graph_name(seq_len, choice)),
+                _own_code_copy(run_step, graph_name(*key)),
                 fullgraph=True,
                 dynamic=False,
                 **self.compile_options,

@@ -32,7 +32,7 @@ import torch
 
 from ..generate import SamplingParams, per_row
 from .compiled import CompiledBackend
-from .eager import StepFn, choice_candidates, step_choice
+from .eager import StepFn, choice_candidates, starts_fresh, step_choice
 
 _WARNED = False
 
@@ -68,7 +68,7 @@ class CudaGraphBackend(CompiledBackend):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.captured: dict[tuple[int, str], _Graph] = {}  # by (tokens a row, `step_choice`)
+        self.captured: dict[tuple[int, str, bool], _Graph] = {}  # by (tokens a row, `step_choice`, `starts_fresh`)
         self.reorder_graph: _Graph | None = None
         self.decode_from: np.ndarray | None = None  # write_index of the last generation's first decode step
         if self.device.type != "cuda":
@@ -99,7 +99,7 @@ class CudaGraphBackend(CompiledBackend):
         torch.cuda.current_stream().synchronize()
         next_ids = self.host_ids.numpy().copy()
         if seq_len == 1:  # the graph left these in its own input buffers
-            self.captured[1, choice].expected = (next_ids.reshape(batch, 1), write_index + 1)
+            self.captured[1, choice, False].expected = (next_ids.reshape(batch, 1), write_index + 1)
         return next_ids
 
     def run(
@@ -116,9 +116,9 @@ class CudaGraphBackend(CompiledBackend):
             return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
         seq_len = input_ids.shape[1]
         self.cache.check_step(write_index, seq_len)
-        key = (seq_len, choice)
+        key = (seq_len, choice, starts_fresh(write_index, seq_len))
         if key not in self.captured:
-            self.captured[key] = self._capture(seq_len, choice, input_ids, write_index, num_new, sampling, uniforms)
+            self.captured[key] = self._capture(key, input_ids, write_index, num_new, sampling, uniforms)
         entry = self.captured[key]
         self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
         entry.graph.replay()
@@ -144,7 +144,7 @@ class CudaGraphBackend(CompiledBackend):
     def report(self) -> dict[str, Any]:
         """Also, on CUDA, the GPU time of one replay of the greedy decode graph (`graph_gpu_ms`)."""
         report = super().report()
-        decode = self.captured.get((1, "greedy"))
+        decode = self.captured.get((1, "greedy", False))
         if decode is not None and self.decode_from is not None:
             report["graph_gpu_ms"] = 1000 * self.graph_gpu_s(decode, self.decode_from)
             decode.expected = None  # the replays left other inputs in its buffers
@@ -197,8 +197,7 @@ class CudaGraphBackend(CompiledBackend):
 
     def _capture(
         self,
-        seq_len: int,
-        choice: str,
+        key: tuple[int, str, bool],
         input_ids: np.ndarray,
         write_index: np.ndarray,
         num_new: np.ndarray,
@@ -206,8 +205,8 @@ class CudaGraphBackend(CompiledBackend):
         uniforms: np.ndarray | None,
     ) -> _Graph:
         """Warm up (compile) on a side stream and capture the step of this shape, leaving the cache
-        as it was: warm-up runs the step for real."""
-        batch, dev = self.batch_size, self.device
+        as it was: warm-up runs the step for real. `key`: (tokens a row, `step_choice`, `starts_fresh`)."""
+        (seq_len, choice, fresh), batch, dev = key, self.batch_size, self.device
         inputs = {
             "input_ids": torch.zeros(batch, seq_len, dtype=torch.int64, device=dev),
             "write_index": torch.zeros(batch, dtype=torch.int64, device=dev),
@@ -217,7 +216,7 @@ class CudaGraphBackend(CompiledBackend):
             "top_p": torch.ones(batch, dtype=torch.float32, device=dev),
             "uniform": torch.zeros(batch, dtype=torch.float32, device=dev) if choice == "sample" else None,
         }
-        fn, k = self.step_function(seq_len, choice), choice_candidates(choice)
+        fn, k = self.step_function(*key), choice_candidates(choice)
         if k:  # a beam step's candidates: log-probabilities and ids, [B, k] each
             output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
         else:
@@ -226,7 +225,7 @@ class CudaGraphBackend(CompiledBackend):
         feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
 
         def run() -> None:
-            result = fn(self.model, self.cache, *inputs.values(), k)
+            result = fn(self.model, self.cache, *inputs.values(), k, fresh)
             for buffer, value in zip(output, result) if isinstance(output, tuple) else [(output, result)]:
                 buffer.copy_(value)
             if feeds_itself:  # feed the next decode step from the device

@@ -29,6 +29,13 @@ def choice_candidates(choice: str) -> int:
     return int(choice[4:]) if choice.startswith("beam") else 0
 
 
+def starts_fresh(write_index: np.ndarray, seq_len: int) -> bool:
+    """Whether a step of `seq_len` tokens a row starts every row at position 0 (a first
+    prefill): it then attends over its own K/V alone (`StepMetadata.fresh`), and a compiled
+    backend keeps such a step in a graph of its own, as the host knows before it runs."""
+    return seq_len > 1 and not write_index.any()
+
+
 def run_step(
     model: Decoder,
     cache: KVCache,
@@ -40,10 +47,11 @@ def run_step(
     top_p: torch.Tensor,  # [B]
     uniform: torch.Tensor | None,  # [B], None for greedy
     candidates: int = 0,
+    fresh: bool = False,
 ) -> Any:
     """One model step plus token choice: the unit every torch backend runs (and compiles) whole.
     Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair."""
-    logits = model(input_ids, write_index, cache, num_new)  # [B, V]
+    logits = model(input_ids, write_index, cache, num_new, fresh=fresh)  # [B, V]
     if candidates:
         return beam_candidates(logits, candidates)
     if uniform is None:
@@ -119,9 +127,10 @@ class EagerBackend:
     def cache_kind(self) -> str:
         return self.cache.kind
 
-    def step_function(self, seq_len: int, choice: str) -> StepFn:
+    def step_function(self, seq_len: int, choice: str, fresh: bool) -> StepFn:
         """The callable that runs a step of `seq_len` tokens a row choosing as `choice` says
-        (`step_choice`); eager runs `run_step` as it is."""
+        (`step_choice`), from position 0 where `fresh` (`starts_fresh`); eager runs `run_step`
+        as it is."""
         return run_step
 
     def reset(self) -> None:
@@ -184,7 +193,8 @@ class EagerBackend:
         self.cache.check_step(write_index, seq_len)
         dev = self.device
         full = lambda value, dtype: torch.from_numpy(per_row(value, batch, dtype)).to(dev)  # noqa: E731
-        fn = self.step_function(seq_len, choice)
+        fresh = starts_fresh(write_index, seq_len)
+        fn = self.step_function(seq_len, choice, fresh)
         with torch.no_grad():
             return fn(
                 self.model,
@@ -197,4 +207,5 @@ class EagerBackend:
                 full(sampling.top_p, np.float32),
                 None if uniforms is None else torch.from_numpy(uniforms).to(dev),
                 choice_candidates(choice),
+                fresh,
             )

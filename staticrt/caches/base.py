@@ -140,17 +140,23 @@ class KVCache(nn.Module, ABC):
         `write_index` that would write past a linear layer (a compiled graph cannot raise on data)."""
         check_positions(write_index, seq_len, self.max_sequence_len, self.kind, CacheError)
 
-    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int) -> StepMetadata:
-        """Start a step of `seq_len` tokens a row at `write_index [B]`, `num_new [B]` of them real:
-        record each row's length after it, and compute what every layer's view shares."""
+    def begin_step(
+        self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int, fresh: bool = False
+    ) -> StepMetadata:
+        """Start a step of `seq_len` tokens a row at `write_index [B]`, `num_new [B]` of them real
+        (`fresh`: every write_index is 0, `StepMetadata.fresh`): record each row's length after
+        it, and compute what every layer's view shares."""
         self.seq_lens.copy_(write_index + num_new)
         positions = write_index[:, None] + torch.arange(seq_len, device=write_index.device)  # [B, T]
-        return self.metadata(write_index, num_new, positions)
+        return self.metadata(write_index, num_new, positions, fresh)
 
-    def metadata(self, write_index: torch.Tensor, num_new: torch.Tensor, positions: torch.Tensor) -> StepMetadata:
+    def metadata(
+        self, write_index: torch.Tensor, num_new: torch.Tensor, positions: torch.Tensor, fresh: bool = False
+    ) -> StepMetadata:
         """The step's `StepMetadata`: one mask for each kind of layer, at `positions [B, T]`."""
         mask_keys = {self.mask_key(i) for i in range(len(self.rotating))}
-        return StepMetadata(write_index, num_new, positions, {key: self.mask(*key, positions) for key in mask_keys})
+        masks = {key: self.mask(*key, positions) for key in mask_keys}
+        return StepMetadata(write_index, num_new, positions, masks, fresh)
 
     def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView:
         """Layer `layer_idx`'s view of this step, once its input `[B*T, C]` exists (an offloaded

@@ -171,9 +171,11 @@ class OffloadedCache(KVCache):
     def layer_layout(self, layer_idx: int) -> str:
         return super().layer_layout(layer_idx) if self.rotating[layer_idx] else "offloaded"
 
-    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int) -> StepMetadata:
+    def begin_step(
+        self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int, fresh: bool = False
+    ) -> StepMetadata:
         """Also start copying the first offloaded layer's K/V in."""
-        meta = super().begin_step(write_index, num_new, seq_len)
+        meta = super().begin_step(write_index, num_new, seq_len, fresh)
         if self.offloaded:
             self._prefetch(self.offloaded[0])
         return meta

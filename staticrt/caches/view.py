@@ -34,6 +34,9 @@ class StepMetadata:
     num_new: torch.Tensor  # [B] int64: real tokens each row adds this step (the rest is right padding)
     positions: torch.Tensor  # [B, T] int64: each token's position, for RoPE and masks
     masks: dict[tuple[str, bool], torch.Tensor]  # KVCache.mask_key(layer) -> bool [B, 1, T, L (+ T)]
+    # Every row starts at position 0 (a first prefill; known on the host, so each graph is one or
+    # the other): the step's own entries are all a query can see, and `attend` reads nothing else.
+    fresh: bool = False
 
     @property
     def batch(self) -> int:
@@ -100,6 +103,13 @@ class LayerView:
         several times, which dominates a long prefill. `q [B, H, T, D]`, `k`/`v [B, H_kv, T, D]` ->
         `[B, H, T, D]`; written first or after as `scores` and `weigh` are."""
         meta = self.meta
+        if meta.fresh:  # the buffer holds nothing this step may see: attend over the step's own K/V
+            own_k, own_v = self.cache.round_trip(k, v)
+            first = 0 if self.writes_first else self.mask.shape[-1] - meta.seq_len  # their mask columns
+            mask = self.mask[..., first : first + meta.seq_len]  # [B, 1, T, T]; slot t holds position t
+            out = F.scaled_dot_product_attention(q, own_k, own_v, attn_mask=mask, scale=scale, enable_gqa=True)
+            self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
+            return out
         if self.writes_first:
             keys, values = self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
         else:

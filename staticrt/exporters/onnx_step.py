@@ -45,7 +45,9 @@ class GraphCache(KVCache):
     def presents(self) -> list[torch.Tensor]:
         return [t for i in range(len(self.rotating)) for t in self.present[i]]
 
-    def begin_step(self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int) -> StepMetadata:
+    def begin_step(
+        self, write_index: torch.Tensor, num_new: torch.Tensor, seq_len: int, fresh: bool = False
+    ) -> StepMetadata:
         """Lengths live in the attention mask here, and positions are the graph's `position_ids`
         (a padded row's slots and positions differ)."""
         return self.metadata(write_index, num_new, self.inputs.position_ids)
