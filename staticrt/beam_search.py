@@ -38,7 +38,7 @@ class BeamBackend(StepBackend, Protocol):
 
     def reorder_rows(self, rows: np.ndarray) -> None: ...  # row b takes row rows[b]'s K/V, in place
 
-    def prepare(self, widths: Any, do_sample: bool, candidates: int = 0) -> float: ...
+    def prepare(self, widths: Any, do_sample: bool, continuing: bool = False, candidates: int = 0) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def _search(
     for r in range(len(prompts) * n):
         lengths[r] = len(prompts[r // n])
         input_ids[r, : lengths[r]] = prompts[r // n]
-    stats.compile_s = backend.prepare((bucket, 1) if max_new_tokens > 1 else (bucket,), False, state.k)
+    stats.compile_s = backend.prepare((bucket, 1) if max_new_tokens > 1 else (bucket,), False, candidates=state.k)
     stats.bucket, stats.decode_s = bucket, []
     backend.reset()
     beam_rows = slice(0, len(prompts) * n)

@@ -63,10 +63,12 @@ class StepBackend(Protocol):
 
     def reset(self) -> None: ...
 
-    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> float:
         """Build what steps of these widths need before the first one is timed (a compile, a CUDA
         graph capture), so that compile time is never counted as prefill; the seconds it took. May
-        write anywhere in the cache: it runs before `reset`, when the cache holds nothing live."""
+        write anywhere in the cache: it runs before `reset`, when the cache holds nothing live.
+        `continuing`: also multi-token steps of rows that hold tokens already (a server's chunked
+        prompts, a prefill beside decoding rows), which run graphs of their own (`starts_fresh`)."""
 
     def report(self) -> dict[str, Any]:
         """What a benchmark reads off the backend after its runs (cache bytes, graph GPU time)."""

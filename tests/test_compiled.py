@@ -6,11 +6,13 @@ import dataclasses
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
 import staticrt
 from staticrt.errors import GenerationError
+from staticrt.generate import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,27 @@ def test_graphs_built_once_are_not_compiled_again(tiny):
     gen.generate([list(range(1, 20))], max_new_tokens=1)  # a new prefill bucket (32), no decode
     assert gen.last_stats.compile_s > 0
     assert set(gen.backend._built) == {(16, "greedy", True), (1, "greedy", False), (32, "greedy", True)}
+
+
+def test_a_server_builds_the_graphs_of_continuing_rows_before_it_serves(tiny):
+    """A multi-token step of rows that hold tokens (a chunked prompt) runs a graph of its own
+    (`starts_fresh`); `prepare(continuing=True)` builds it up front, and it gives eager's logits."""
+    eager = staticrt.Generator(tiny, max_batch_size=1, max_cache_len=64, prefill_buckets=[16])
+    gen = staticrt.Generator(tiny, max_batch_size=1, max_cache_len=64, prefill_buckets=[16], backend="compiled")
+    assert gen.backend.prepare((16, 1), False, continuing=True) > 0
+    assert set(gen.backend._built) == {(16, "greedy", True), (16, "greedy", False), (1, "greedy", False)}
+    chunks = [np.arange(1, 17).reshape(1, 16), np.arange(20, 36).reshape(1, 16)]  # positions 0..15, then 16..31
+    ids = {}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for backend in (eager.backend, gen.backend):
+            backend.reset()
+            ids[backend.name] = [
+                backend.step(chunk, np.array([16 * i]), np.array([16]), SamplingParams(), None).tolist()
+                for i, chunk in enumerate(chunks)
+            ]
+    assert set(gen.backend._graphs) == set(gen.backend._built)  # nothing compiled while stepping
+    assert ids["compiled"] == ids["eager"]
+    torch.testing.assert_close(gen.backend.cache.key_0[:, :, :32], eager.backend.cache.key_0[:, :, :32])
 
 
 def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_onednn(monkeypatch):

@@ -44,6 +44,6 @@ class ArtifactBackend:
         """Nothing beyond the timings: the runtime owns the artifact's memory."""
         return {}
 
-    def prepare(self, widths: Sequence[int], do_sample: bool) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> float:
         """Nothing to build: the programs were compiled at export and loaded with the artifact."""
         return 0.0

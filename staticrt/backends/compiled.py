@@ -140,21 +140,27 @@ class CompiledBackend(EagerBackend):
         """Where each weight lives and its in-place write count: what a frozen graph is valid for."""
         return [(p.data_ptr(), p._version) for p in self.model.parameters()]
 
-    def prepare(self, widths: Sequence[int], do_sample: bool, candidates: int = 0) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> float:
         """Compile (and, on CUDA, capture) each graph a generation will use for the first time, by
-        running it once on dummy inputs (zeros at position 0: it writes only K/V that `reset` and
-        the prefill replace), and say so in the log: a 30-layer model takes minutes on a CPU.
-        `candidates` > 0: the graphs of a beam step (`beam_step`)."""
+        running it once on dummy inputs (zeros, at position 0, or 1 for a `continuing` graph: it
+        writes only K/V that `reset` and the prefill replace), and say so in the log: a 30-layer
+        model takes minutes on a CPU. `candidates` > 0: the graphs of a beam step (`beam_step`)."""
         spent, batch, choice = 0.0, self.batch_size, step_choice(do_sample, candidates)
-        for width in widths:
-            key = (width, choice, width > 1)  # at position 0: a prefill graph starts fresh
+        limit = self.max_sequence_len
+        keys = [(width, choice, width > 1) for width in widths]  # at position 0 a prefill starts fresh
+        if continuing:  # and from position 1, where a continuing step of that width fits
+            keys += [(w, choice, False) for w in widths if w > 1 and (limit is None or w < limit)]
+        for key in keys:
             if key in self._built:
                 continue
+            width, _, fresh = key
             name, began = graph_name(*key), time.perf_counter()
             log.info("compiling the %s step graph (first use; later generations reuse it) ...", name)
-            zeros, ones = np.zeros(batch, dtype=np.int64), np.ones(batch, dtype=np.int64)
+            write_index = np.full(batch, 0 if fresh or width == 1 else 1, dtype=np.int64)
+            ones = np.ones(batch, dtype=np.int64)
             uniforms = np.zeros(batch, dtype=np.float32) if do_sample else None
-            self.run(choice, np.zeros((batch, width), dtype=np.int64), zeros, ones, SamplingParams(do_sample), uniforms)
+            inputs = np.zeros((batch, width), dtype=np.int64)
+            self.run(choice, inputs, write_index, ones, SamplingParams(do_sample), uniforms)
             self._built.add(key)
             spent += time.perf_counter() - began
             log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)

@@ -141,7 +141,7 @@ class EagerBackend:
         model and cache layout, of any batch size): a prompt prefilled alone joins the batch."""
         self.cache.copy_row(source.cache, source_row, row)
 
-    def prepare(self, widths: Sequence[int], do_sample: bool, candidates: int = 0) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> float:
         """Nothing to build: eager runs the step as it is."""
         return 0.0
 

@@ -41,10 +41,10 @@ def serve_backend(
     defaults = defaults or GenerationDefaults()
     for do_sample in (False, True):
         if prefiller is None:
-            backend.prepare((*backend.buckets, 1), do_sample)
+            backend.prepare((*backend.buckets, 1), do_sample, continuing=True)
         else:
             backend.prepare((1,), do_sample)
-            prefiller.prepare(prefiller.buckets, do_sample)
+            prefiller.prepare(prefiller.buckets, do_sample, continuing=True)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
     scheduler = Scheduler(backend, tokenizer, max_queue=max_queue, prefiller=prefiller)
     return create_app(scheduler, limits, api_key=api_key), scheduler
