@@ -84,16 +84,10 @@ def save_hf_model(family: str, folder: Path, seed: int = 0, **overrides):
     return model
 
 
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], new_tokens: int, **options) -> list[int]:
     """transformers' eager `generate`, one unpadded row at a time: the reference each row of a
-    staticrt batch must reproduce."""
+    staticrt batch must reproduce. `options` go to `generate` (num_beams, eos_token_id, ...)."""
     ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    settings = dict(do_sample=False, eos_token_id=None, pad_token_id=0) | options
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **settings)
     return out[0, len(prompt) :].tolist()

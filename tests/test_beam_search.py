@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES
+from hf_models import hf_greedy
 
 import staticrt
 from staticrt.errors import GenerationError
@@ -28,17 +29,7 @@ def stop_ids(gen: staticrt.Generator, count: int) -> list[int]:
 
 def hf_beams(hf, prompt: list[int], num_beams: int, stops: list[int], **options) -> list[int]:
     """transformers' best beam for one unpadded prompt, cut after its first stop token (the rest is fill)."""
-    ids = torch.tensor([prompt])
-    out = hf.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        num_beams=num_beams,
-        eos_token_id=stops,
-        pad_token_id=0,
-        **options,
-    )[0, len(prompt) :].tolist()
+    out = hf_greedy(hf, prompt, NEW_TOKENS, num_beams=num_beams, eos_token_id=stops, **options)
     end = next((i for i, t in enumerate(out) if t in stops), len(out) - 1)
     return out[: end + 1]
 

@@ -103,21 +103,21 @@ class LayerView:
         several times, which dominates a long prefill. `q [B, H, T, D]`, `k`/`v [B, H_kv, T, D]` ->
         `[B, H, T, D]`; written first or after as `scores` and `weigh` are."""
         meta = self.meta
-        if meta.fresh:  # the buffer holds nothing this step may see: attend over the step's own K/V
-            own_k, own_v = self.cache.round_trip(k, v)
+        writes_after = meta.fresh or not self.writes_first
+        if not writes_after:
+            keys, values = self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
+            mask = self.mask
+        elif meta.fresh:  # the buffer holds nothing this step may see: attend over the step's own K/V
+            keys, values = self.cache.round_trip(k, v)
             first = 0 if self.writes_first else self.mask.shape[-1] - meta.seq_len  # their mask columns
             mask = self.mask[..., first : first + meta.seq_len]  # [B, 1, T, T]; slot t holds position t
-            out = F.scaled_dot_product_attention(q, own_k, own_v, attn_mask=mask, scale=scale, enable_gqa=True)
-            self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
-            return out
-        if self.writes_first:
-            keys, values = self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
         else:
             held_k, held_v = self.cache.layer_buffers(self.layer_idx)
             own_k, own_v = self.cache.round_trip(k, v)
             keys, values = torch.cat([held_k, own_k], dim=2), torch.cat([held_v, own_v], dim=2)  # [B, H_kv, L + T, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True)
-        if not self.writes_first:
+            mask = self.mask
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        if writes_after:
             self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
         return out
 

@@ -226,7 +226,7 @@ def write_onnx(
     timed("trace and translate to ONNX", lambda: export_graph(model, cache, path))
     timed("check the graph (onnx.checker, full_check)", lambda: onnx.checker.check_model(str(path), full_check=True))
     genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales
-    if cache.parts == ("key", "value"):
+    if cache.parts == KVCache.parts:
         (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
         genai = GENAI_CONFIG
     return {"onnx": {"graph": GRAPH, "genai_config": genai, **graph_io(path)}}
