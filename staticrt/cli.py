@@ -217,6 +217,7 @@ def _add_export_parser(sub: Any) -> None:
         "  staticrt export --model ./my-llama --cache static --batch-size 1 --max-cache-len 2048 \\\n"
         "      --prefill-buckets 128,512 --out artifacts/my-llama\n"
         "  staticrt export export/tiny-llama.toml --format onnx  # only the recipe's ONNX graph\n"
+        "  staticrt export --model ./my-llama --format onnx --quantize int4 --out artifacts/my-llama-int4\n"
         "  staticrt run artifacts/tiny-mistral --prompt-ids 1,2,3 --json\n"
         "  staticrt run artifacts/tiny-mistral --backend onnx --prompt-ids 1,2,3   # ONNX Runtime, no torch",
     )

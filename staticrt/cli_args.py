@@ -61,7 +61,8 @@ def add_quantize_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
         choices=("none", *QUANTIZE_CHOICES),
         help="store the projections as int8 (one scale an output channel) or int4 (a scale and zero a group of "
         "32, 64 or 128 inputs; int4 is int4-g32), the head as int8, computing in bfloat16: fewer bytes a token, "
-        "a faster compiled decode; export refuses it for now (needs the quant extra: pip install 'staticrt[quant]')",
+        "a faster compiled decode (needs the quant extra: pip install 'staticrt[quant]'); export writes it to "
+        "--format onnx only, as ONNX Runtime's MatMulNBits computing in float32",
     )
 
 

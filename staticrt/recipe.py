@@ -2,7 +2,7 @@
 
     model = "tiny-mistral"          # a preset, or a checkpoint folder (relative to the recipe)
     dtype = "float32"
-    quantize = "int8"               # optional: int8 | int4 | int4-g64 | ... (weights; dtype then bfloat16)
+    quantize = "int8"               # optional: int8 | int4 | int4-g64 | ... (weights; onnx format only)
     cache = "sliding"               # static | sliding | hybrid
     window = 64                     # optional: slots of rotating layers
     batch_size = 3
@@ -37,7 +37,7 @@ class Recipe:
     max_cache_len: int
     prefill_buckets: tuple[int, ...]
     formats: tuple[str, ...]
-    dtype: str | None = None  # float32, or bfloat16 for quantized weights
+    dtype: str | None = None  # float32 by default
     window: int | None = None
     quantize: str | None = None
 

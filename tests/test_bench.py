@@ -125,10 +125,10 @@ def test_llamacpp_and_quantized_runs_are_refused_before_anything_loads(tmp_path)
         run_bench("tiny-llama", ["eager"], batch_size=2, gguf=(str(tmp_path / "missing.gguf"),))
     with pytest.raises(
         BenchError,
-        match=r"^--quantize int8: backends hf, onnx run the float weights only; add a torch backend "
-        r"\(eager, compiled, cudagraph\) or none to --quantize$",
+        match=r"^--quantize int8: backends hf run the float weights only; add a staticrt backend "
+        r"\(eager, compiled, cudagraph, onnx\) or none to --quantize$",
     ):
-        run_bench("tiny-llama", ["hf", "onnx"], quantize=("int8",))
+        run_bench("tiny-llama", ["hf"], quantize=("int8",))
 
 
 def test_bench_serve_sends_the_same_requests_to_every_contender():

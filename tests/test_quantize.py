@@ -133,9 +133,16 @@ def test_quantize_refuses_what_it_cannot_run_before_changing_anything(tmp_path):
     assert model.quantization is None and model.lm_head is not None
     assert type(model.layers[0].mlp.down_proj.weight) is nn.Parameter
 
-    with pytest.raises(ArtifactError, match="exporting int8 weights is not supported yet"):
-        from staticrt.exporters import export_artifact
+    from staticrt.exporters import export_artifact
 
+    with pytest.raises(ArtifactError) as err:
+        export_artifact(model, CacheSpec("static", 1, 16), [16], tmp_path / "a", quantize=QuantSpec(8))
+    assert str(err.value) == (
+        "exporting int8 weights to aoti, pt2 is not supported yet; export them to onnx alone (--format onnx), "
+        "export the float model (no --quantize, no quantize key in the recipe), or run the quantized model with "
+        "--backend eager, compiled or cudagraph"
+    )
+    with pytest.raises(ArtifactError, match=r"loaded with quantize='int8'; exporters take the float model"):
         export_artifact(
             staticrt.load_model("tiny-llama", quantize="int8"), CacheSpec("static", 1, 16), [16], tmp_path / "a"
         )

@@ -47,7 +47,7 @@ def run_bench(
     dtype = resolve_dtype(request.dtype)
     vocab = load_config(model_name).vocab_size
     runs = plan_runs(request, bench_prompts(vocab, request.batch_size, request.prompt_len))
-    models = load_variants(request, {run.quantize for run in runs}, dtype, device)
+    models = load_variants(request, {run.weights for run in runs}, dtype, device)
     probe = StreamProbe(dtype, torch.device(device))
     copy_bps = copy_bytes_per_s(torch.device(device)) if device == "cuda" else None
     contenders = warm_up(models, runs, request.new_tokens, on_stage)
@@ -55,7 +55,7 @@ def run_bench(
     results = {
         run.label: result(
             request,
-            models[run.quantize],
+            models[run.weights],
             run,
             contenders[run.label],
             timings[run.label],
@@ -126,14 +126,14 @@ def warm_up(models: dict[str, Decoder], runs: list[Run], new_tokens: int, on_sta
     contenders = {}
     for run in runs:
         on_stage(f"{run.label}: warm-up (compiles) on {len(run.prompts[0])} prompt + {new_tokens} new tokens")
-        model = models[run.quantize]
+        model = models[run.weights]
         if run.gguf is not None:
             contenders[run.label] = llamacpp_contender(run.gguf, run.prompts, new_tokens)
         elif run.backend == "hf":
             contenders[run.label] = hf_contender(model, run.prompts, new_tokens, run.cache)
         else:
             contenders[run.label] = staticrt_contender(
-                model, run.backend, run.prompts, new_tokens, run.cache, run.max_cache_len
+                model, run.backend, run.prompts, new_tokens, run.cache, run.max_cache_len, run.quantize
             )
     return contenders
 
@@ -180,7 +180,7 @@ def result(
     if "graph_gpu_ms" in res:
         res["host_overhead_us"] = 1e6 * step_s - 1e3 * res["graph_gpu_ms"]
     # llama.cpp reads its GGUF's tensors (the file, less its metadata)
-    weight_bytes = res.get("gguf_bytes") or weight_bytes_per_step(model, request.batch_size)
+    weight_bytes = res.get("gguf_bytes") or contender.weight_bytes or weight_bytes_per_step(model, request.batch_size)
     kv_dtype = torch.float16 if run.gguf else model.embed_tokens.weight.dtype  # llama.cpp's cache: f16
     kv_bytes = kv_bytes_per_step(model.config, request.batch_size, run.attended, kv_dtype, run.cache.endswith("-int8"))
     if run.cache == QUANTO_CACHE:  # it dequantizes all it holds every step

@@ -5,6 +5,7 @@ transformers' in hf.py."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import statistics
 import tempfile
@@ -17,6 +18,7 @@ import torch
 
 from ..caches import CacheSpec, resolve_max_cache_len
 from ..model import Decoder
+from ..quant_spec import QuantSpec, parse_quantize
 from ..runtime import BACKENDS, Generator
 
 
@@ -25,13 +27,16 @@ class Contender:
     """`run` times one generation and returns (prefill seconds, median decode seconds a step);
     `report` is what the backend tells of itself once timing is over (cache bytes, GPU time).
     `compile_s` is the warm-up's compile time where the contender measures it apart (None: it
-    cannot, as transformers' `generate` compiles inside its first call)."""
+    cannot, as transformers' `generate` compiles inside its first call). `weight_bytes` is what a
+    step reads of the weights where the contender's own form of them is not the torch model's (an
+    ONNX graph's initializers)."""
 
     run: Callable[[], tuple[float, float]]
     tokens: list[list[int]]
     warmup_s: float
     report: Callable[[], dict[str, Any]] = dict
     compile_s: float | None = None
+    weight_bytes: int | None = None
 
 
 def staticrt_contender(
@@ -41,14 +46,18 @@ def staticrt_contender(
     new_tokens: int,
     cache: str = "static",
     max_cache_len: int | None = None,
+    quantize: str = "none",
 ) -> Contender:
     """A staticrt backend after one warm-up generation (it compiles). The prompt fills its prefill
-    bucket exactly, so prefill times carry no padding. Backend "onnx" exports the model with its
-    cache to a temporary artifact first and runs it in ONNX Runtime with torch's thread count."""
+    bucket exactly, so prefill times carry no padding. Backend "onnx" exports the (float) model
+    with its cache, and `quantize`'s weights, to a temporary artifact first and runs it in ONNX
+    Runtime with torch's thread count; the torch backends take `model` as it was loaded."""
     needed = len(prompts[0]) + new_tokens
     max_cache_len = resolve_max_cache_len(model.config, cache, max_cache_len, needed=needed)
+    weight_bytes = None
     if backend == "onnx":
-        gen = _onnx_generator(model, CacheSpec(cache, len(prompts), max_cache_len), len(prompts[0]))
+        spec = CacheSpec(cache, len(prompts), max_cache_len)
+        gen, weight_bytes = _onnx_generator(model, spec, len(prompts[0]), parse_quantize(quantize))
     else:
         gen = Generator(
             model,
@@ -66,16 +75,37 @@ def staticrt_contender(
         gen.generate(prompts, max_new_tokens=new_tokens)
         return gen.last_stats.prefill_s, statistics.median(gen.last_stats.decode_s)
 
-    return Contender(run, tokens, warmup_s, gen.backend.report, gen.last_stats.compile_s)
+    return Contender(run, tokens, warmup_s, gen.backend.report, gen.last_stats.compile_s, weight_bytes)
 
 
-def _onnx_generator(model: Decoder, spec: CacheSpec, bucket: int) -> Generator:
+def _onnx_generator(model: Decoder, spec: CacheSpec, bucket: int, quantize: QuantSpec | None) -> tuple[Generator, int]:
+    """ONNX Runtime over a temporary export, and the bytes of weights its graph reads a step."""
     from ..exporters import export_artifact
 
     scratch = Path(tempfile.mkdtemp(prefix="staticrt-bench-onnx-"))
     try:
-        folder = export_artifact(model, spec, [bucket], scratch / "artifact", ["onnx"])
+        folder = export_artifact(model, spec, [bucket], scratch / "artifact", ["onnx"], quantize=quantize)
         device = next(model.parameters()).device.type
-        return Generator(BACKENDS["onnx"].build(folder, "onnx", device=device, threads=torch.get_num_threads()))
+        backend = BACKENDS["onnx"].build(folder, "onnx", device=device, threads=torch.get_num_threads())
+        return Generator(backend), graph_weight_bytes(folder / backend.manifest["onnx"]["graph"], spec.max_batch_size)
     finally:  # the session holds the graph and weights in memory; the files may go
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def graph_weight_bytes(path: Path, batch_size: int) -> int:
+    """Bytes of weights one step of the ONNX graph at `path` reads: every initializer once (as
+    stored: packed int4 / int8 with their scales and zero points when quantized), but of a table
+    only gathered from (the embedding of an untied model) only the looked-up rows."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}
+    elsewhere = {name for node in graph.node if node.op_type != "Gather" for name in node.input}
+    total = 0
+    for init in graph.initializer:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        shape = list(init.dims)
+        if init.name in gathered and init.name not in elsewhere:
+            shape[0] = batch_size  # one row a token
+        total += math.prod(shape) * itemsize
+    return total

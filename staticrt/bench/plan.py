@@ -14,7 +14,8 @@ from ..errors import BenchError
 from ..quant_spec import parse_quantize
 
 QUANTO_CACHE = "quanto-int4"  # transformers' QuantizedCache (bench/hf.py)
-FLOAT_ONLY = ("hf", "onnx")  # transformers' model and the exported graph take float weights only
+FLOAT_ONLY = ("hf",)  # transformers runs the float weights only
+GRAPH_QUANTIZED = ("onnx",)  # exported from the float weights, the graph quantizes its own (onnx_quantize.py)
 
 # The defaults of `staticrt bench` and `run_bench`: a short prompt and enough tokens that the
 # median decode step is stable.
@@ -26,8 +27,9 @@ class BenchRequest:
     """A benchmark as asked for. With `window`, every layer gets that sliding window; with
     `offload` (`kv_int8`), each staticrt backend also runs with an OffloadedStatic (static-int8)
     cache, and with `kv_int8` transformers also with its QuantizedCache. Each of `quantize`
-    ("none", "int8", "int4-g64", ...) is a variant of the weights that every torch backend runs
-    beside the others; transformers and ONNX Runtime run the float weights only."""
+    ("none", "int8", "int4-g64", ...) is a variant of the weights that every staticrt backend runs
+    beside the others (ONNX Runtime with ONNX Runtime's own quantization of the float weights);
+    transformers runs the float weights only."""
 
     model: str
     backends: tuple[str, ...]
@@ -58,7 +60,7 @@ class BenchRequest:
         if self.quantize and all(name in FLOAT_ONLY for name in self.backends) and "none" not in self.quantize:
             raise BenchError(
                 f"--quantize {','.join(self.quantize)}: backends {', '.join(self.backends)} run the float weights "
-                "only; add a torch backend (eager, compiled, cudagraph) or none to --quantize"
+                "only; add a staticrt backend (eager, compiled, cudagraph, onnx) or none to --quantize"
             )
         if self.window is not None and (self.offload or self.kv_int8):
             raise BenchError("--window and --offload/--kv-int8 compare different things; run them one at a time")
@@ -96,6 +98,12 @@ class Run:
     max_cache_len: int | None = None
     quantize: str = "none"
     gguf: str | None = None  # the file llama.cpp runs (backend "llamacpp")
+
+    @property
+    def weights(self) -> str:
+        """The quantize variant of the loaded model this run takes: the float one for transformers
+        and for ONNX Runtime, whose exported graph quantizes the float weights itself."""
+        return "none" if self.backend in FLOAT_ONLY + GRAPH_QUANTIZED else self.quantize
 
 
 def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int]]:

@@ -22,10 +22,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     recipe = _recipe(args)
     spec = parse_quantize(recipe.quantize)
-    check_exportable(spec and spec.name)
+    check_exportable(spec and spec.name, recipe.formats)
     out = args.out or Path("artifacts") / recipe.name
     check_target(out)
-    model = load_model(recipe.model, dtype=recipe.dtype, quantize=recipe.quantize)
+    model = load_model(recipe.model, dtype=recipe.dtype)  # float: the ONNX graph quantizes its own weights
 
     def copy_tokenizer(folder: Path) -> None:
         """What a client needs beside the programs: the tokenizer, its chat template, the eos ids."""
@@ -39,7 +39,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     console.print(
         f"exporting {recipe.model} ({recipe.cache} cache, batch {recipe.batch_size}, max_cache_len "
-        f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}) to {out}"
+        f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}"
+        f"{f', {spec.name} weights' if spec else ''}) to {out}"
     )
     start = time.perf_counter()
     with progress("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
@@ -52,6 +53,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             {"recipe": recipe.to_dict()},
             stage,
             copy_tokenizer,
+            spec,
         )
     console.print(
         f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3",

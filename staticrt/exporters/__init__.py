@@ -19,6 +19,7 @@ from ..caches.quantized import Int8KV
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
 from ..model import Decoder
+from ..quant_spec import QuantSpec
 
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
 INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))
@@ -34,13 +35,16 @@ def export_artifact(
     fields: dict[str, Any] | None = None,
     on_stage: Stage = lambda what, seconds: None,
     extra_files: Callable[[Path], None] = lambda folder: None,
+    quantize: QuantSpec | None = None,
 ) -> Path:
     """Export `model` with a cache of `spec` to the artifact folder `target` (atomically).
 
     `buckets` are the prompt widths of the torch prefill programs (the ONNX graph takes any).
     `fields` are merged into the manifest (e.g. the recipe); `extra_files(folder)` may add files
-    (the tokenizer) before the hashes are taken. Every input is checked before anything is built.
+    (the tokenizer) before the hashes are taken. `quantize` gives the ONNX graph int8/int4 weights
+    (onnx_quantize.py); `model` is then the float model. Every input is checked before anything is built.
     """
+    check_exportable(quantize and quantize.name, formats)
     cache = _export_cache(model, spec, buckets, formats)
     param = next(model.parameters())
 
@@ -61,7 +65,7 @@ def export_artifact(
         if "onnx" in formats:
             from .onnx_export import write_onnx
 
-            manifest |= write_onnx(folder, model, cache, timed)
+            manifest |= write_onnx(folder, model, cache, timed, quantize)
         extra_files(folder)
         return {
             "versions": _versions(),
@@ -78,19 +82,25 @@ def export_artifact(
     return write_artifact(target, build)
 
 
-def check_exportable(quantize: str | None) -> None:
-    """Refuse quantized weights, which no exporter writes yet: torchao's tensor subclasses have no
-    safetensors form, and the ONNX graph would dequantize them back to floats."""
-    if quantize is not None:
+def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
+    """Refuse quantized weights in the torch formats, which no exporter writes yet: torchao's tensor
+    subclasses have no safetensors form. The ONNX graph quantizes its own (onnx_quantize.py)."""
+    torch_formats = [f for f in formats if f != "onnx"]
+    if quantize is not None and torch_formats:
         raise ArtifactError(
-            f"exporting {quantize} weights is not supported yet; export the float model (no --quantize, no "
-            "quantize key in the recipe), or run the quantized model with --backend eager, compiled or cudagraph"
+            f"exporting {quantize} weights to {', '.join(torch_formats)} is not supported yet; export them to onnx "
+            "alone (--format onnx), export the float model (no --quantize, no quantize key in the recipe), or run "
+            "the quantized model with --backend eager, compiled or cudagraph"
         )
 
 
 def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], formats: Sequence[str]) -> KVCache:
     """The cache the programs are traced with, once every input has been checked."""
-    check_exportable(model.quantization and model.quantization.name)
+    if model.quantization is not None:
+        raise ArtifactError(
+            f"the model was loaded with quantize={model.quantization.name!r}; exporters take the float model "
+            "and quantize=, which the ONNX graph applies to its own weights"
+        )
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")

@@ -48,6 +48,7 @@ from ..caches import KVCache
 from ..errors import ArtifactError
 from ..model import Decoder
 from ..ops import onnx_translations
+from ..quant_spec import QuantSpec
 from .onnx_step import OnnxStep
 
 OPSET = 24
@@ -216,17 +217,31 @@ def genai_config(cache: KVCache) -> dict[str, Any]:
 
 
 def write_onnx(
-    folder: Path, model: Decoder, cache: KVCache, timed: Callable[[str, Callable[[], Any]], Any]
+    folder: Path,
+    model: Decoder,
+    cache: KVCache,
+    timed: Callable[[str, Callable[[], Any]], Any],
+    quantize: QuantSpec | None = None,
 ) -> dict[str, Any]:
-    """Write the graph (checked with `onnx.checker`, full check) and genai_config.json into `folder`;
-    return the manifest's `onnx` field."""
+    """Write the graph (checked with `onnx.checker`, full check, before any contrib op is in it),
+    with `quantize`'s weights if given, and genai_config.json into `folder`; return the manifest's
+    `onnx` field."""
     import onnx
 
     path = folder / GRAPH
     timed("trace and translate to ONNX", lambda: export_graph(model, cache, path))
     timed("check the graph (onnx.checker, full_check)", lambda: onnx.checker.check_model(str(path), full_check=True))
+    quantized = None
+    if quantize is not None:
+        from .onnx_quantize import quantize_graph
+
+        head = "model.embed_tokens.weight" if model.lm_head is None else "model.lm_head.weight"
+        quantized = timed(
+            f"quantize the weights to {quantize.name} (ONNX Runtime's MatMulNBits)",
+            lambda: quantize_graph(path, quantize, head),
+        )
     genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales
     if cache.parts == KVCache.parts:
         (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
         genai = GENAI_CONFIG
-    return {"onnx": {"graph": GRAPH, "genai_config": genai, **graph_io(path)}}
+    return {"onnx": {"graph": GRAPH, "genai_config": genai, "quantize": quantized, **graph_io(path)}}

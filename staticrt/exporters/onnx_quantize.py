@@ -1,0 +1,120 @@
+"""Weight-only int8 / int4 in the ONNX graph, with ONNX Runtime's own quantizer (`MatMulNBits`).
+
+The exporter writes the float graph, in which each projection and the head is a `Gemm(x, W,
+transB=1)` over an initializer `W [N, K]`. ONNX Runtime's `MatMulNBitsQuantizer` (the one
+onnxruntime-genai's model builder uses) rewrites `MatMul(x, W [K, N])` nodes into `MatMulNBits`, a
+com.microsoft contrib op holding `W` as blocks of `block_size` inputs with a scale and a zero point
+each, so those Gemms are first turned into MatMuls over the transposed weight.
+
+Why MatMulNBits and not the standard `DequantizeLinear` (blocked, opset 21) + `MatMul`: ONNX Runtime
+fuses neither on the CPU. Measured (2-core AMD EPYC VM, 2 threads, decode ms/token, one process):
+bench-llama float32 6.9-7.4, int4 MatMulNBits 2.3-3.5, int4 DequantizeLinear + MatMul 18.5 (it
+dequantizes every weight every step). MatMulNBits is what onnxruntime-genai's own int4 models use,
+and it runs them. `accuracy_level` 4 lets the CPU kernel quantize each block of activations to int8
+and multiply in integers: int8 weights without it fall back to a kernel that took 109 ms/token
+against 3.5 with it; at int4 it cost SmolLM2 no perplexity (14.81 against 14.75 without).
+
+What is quantized follows quantize.py: every projection to the spec (int4: its group size; int8:
+blocks of 64 inputs), and the head at int8 whatever the spec. The embedding stays float: it is
+gathered from, a row a token, never streamed whole. Int8 blocks of 32, 64 and 128 decode at the same
+speed within the machine's noise (SmolLM2: 17.8 / 18.7 ms/token at 32 / 64), and the activations'
+int8 blocks follow the weights': SmolLM2's perplexity over tests/data is +0.29% at 32, +0.62% at 64
+and +1.7% at 128 (its 576 inputs padded to 640; fp32 12.108). 64, because at 32 the greedy answer
+to "What is the capital of France?" began "L'Étoile, la Cité" where fp32, int4 and int8 at 64 say
+"The capital of France is Paris" (two other chat prompts: all four right).
+
+The fast kernels take integer zero points only; float ones (ORT's HQQ quantizer) ran bench-llama at
+68 ms/token. So a model whose weights already sit on a 4-bit grid with a float minimum a group (a
+GGUF Q4_1, as tests' SmolLM2) loses more at int4 here than in torch (perplexity 14.81, +22%,
+against torchao's +0.2%): requantizing moves every weight by up to half a step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..quant_spec import QuantSpec
+
+INT8_BLOCK = 64
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations in the CPU kernel (CUDA ignores it)
+
+
+def quantize_graph(path: Path, spec: QuantSpec, head_weight: str) -> dict[str, Any]:
+    """Rewrite the graph at `path` (weights as external data beside it) with `spec`'s weights in
+    place; `head_weight` is the initializer the head multiplies by (the embedding's, when tied).
+    Returns the manifest's description of what was quantized."""
+    import onnx
+
+    # The quantizer's module calls logging.basicConfig when imported, which would print a second,
+    # timestamped copy of every log line of the process (staticrt's included) from then on.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            DefaultWeightOnlyQuantConfig,
+            MatMulNBitsQuantizer,
+        )
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs each node at INFO
+    model = onnx.load(str(path))
+    head = [node.name for node in model.graph.node if node.op_type == "Gemm" and node.input[1] == head_weight]
+    if len(head) != 1:
+        raise AssertionError(f"{len(head)} Gemms multiply by the head's weight {head_weight!r}, not one")
+    matmuls = _gemms_as_matmuls(model)
+    layouts = {
+        "projections": {"bits": spec.bits, "block_size": spec.group_size or INT8_BLOCK},
+        "head": {"bits": 8, "block_size": INT8_BLOCK},
+    }
+    # The projections first (the head left out), then the one MatMul over a weight left: the head.
+    for skip, layout in ((head, layouts["projections"]), ([], layouts["head"])):
+        config = DefaultWeightOnlyQuantConfig(
+            block_size=layout["block_size"], is_symmetric=False, accuracy_level=ACCURACY_LEVEL, bits=layout["bits"]
+        )
+        quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=skip, algo_config=config)
+        quantizer.process()
+        model = quantizer.model.model
+    data = path.with_name(path.name + ".data")
+    data.unlink()  # onnx.save appends to an existing data file
+    onnx.save(model, str(path), save_as_external_data=True, location=data.name)
+    quantized = sum(node.op_type == "MatMulNBits" for node in model.graph.node)
+    if quantized != matmuls:
+        raise AssertionError(f"{quantized} of the graph's {matmuls} weight MatMuls were quantized")
+    return {"name": spec.name, "op": "com.microsoft.MatMulNBits", "accuracy_level": ACCURACY_LEVEL, **layouts}
+
+
+def _gemms_as_matmuls(model: Any) -> int:
+    """Turn each `Gemm(x, W [N, K], transB=1)` over an initializer into `MatMul(x, W^T [K, N])`,
+    the form the quantizer takes; a weight another node also reads (a tied head's embedding) gets
+    a transposed copy of its own. Returns how many there were."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    initializers = {init.name: init for init in model.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in initializers:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("transB") != 1 or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0:
+            raise AssertionError(f"Gemm {node.name} is not x @ W^T: {attrs}")
+        name = node.input[1]
+        weight = numpy_helper.to_array(initializers[name])  # [N, K]
+        transposed = numpy_helper.from_array(np.ascontiguousarray(weight.T), name)  # [K, N]
+        if readers[name] > 1:
+            transposed.name = f"{name}.T"
+            model.graph.initializer.append(transposed)
+            node.input[1] = transposed.name
+        else:
+            initializers[name].CopyFrom(transposed)
+        node.op_type = "MatMul"
+        del node.attribute[:]
+        count += 1
+    return count
