@@ -61,8 +61,9 @@ def add_quantize_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
         choices=("none", *QUANTIZE_CHOICES),
         help="store the projections as int8 (one scale an output channel) or int4 (a scale and zero a group of "
         "32, 64 or 128 inputs; int4 is int4-g32), the head as int8, computing in bfloat16: fewer bytes a token, "
-        "a faster compiled decode (needs the quant extra: pip install 'staticrt[quant]'); export writes it to "
-        "--format onnx only, as ONNX Runtime's MatMulNBits computing in float32",
+        "a faster compiled decode (needs the quant extra: pip install 'staticrt[quant]'); export writes torchao's "
+        "weights to pt2 (and int8 to aoti), or ONNX Runtime's MatMulNBits computing in float32 to onnx, one "
+        "artifact each",
     )
 
 

@@ -14,7 +14,8 @@ DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }  # what a model computes in
-RECORDED = {**DTYPES, "int64": torch.int64, "int8": torch.int8}  # what a manifest records: lengths, int8 K/V
+# what a manifest records: lengths, int8 K/V, quantized weights' data (int8, packed int4 as uint8 or int32)
+RECORDED = {**DTYPES, **{name: getattr(torch, name) for name in ("int64", "int32", "int8", "uint8")}}
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

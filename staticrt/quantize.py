@@ -103,3 +103,15 @@ def quantize_weights(model: nn.Module, spec: QuantSpec) -> nn.Module:
     quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
     model.quantization = spec
     return model
+
+
+def plain_tensors(model: nn.Module) -> nn.Module:
+    """A copy of the quantized `model` whose torchao weights are parametrizations over their plain
+    inner tensors (int8 or packed int4 data, scales, zero points; torchao's `unwrap_tensor_subclass`).
+    torch.export then traces the dequantizing matmul from plain constants, which the artifact's
+    safetensors file can hold and AOTInductor loads by name, with no torchao at load time."""
+    import copy
+
+    from torchao.utils import unwrap_tensor_subclass
+
+    return unwrap_tensor_subclass(copy.deepcopy(model))

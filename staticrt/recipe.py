@@ -2,7 +2,7 @@
 
     model = "tiny-mistral"          # a preset, or a checkpoint folder (relative to the recipe)
     dtype = "float32"
-    quantize = "int8"               # optional: int8 | int4 | int4-g64 | ... (weights; onnx format only)
+    quantize = "int8"               # optional: int8 | int4 | int4-g64 | ... (weights; onnx, or pt2/aoti, not both)
     cache = "sliding"               # static | sliding | hybrid
     window = 64                     # optional: slots of rotating layers
     batch_size = 3

@@ -25,7 +25,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_exportable(spec and spec.name, recipe.formats)
     out = args.out or Path("artifacts") / recipe.name
     check_target(out)
-    model = load_model(recipe.model, dtype=recipe.dtype)  # float: the ONNX graph quantizes its own weights
+    # The torch formats export torchao's weights; the ONNX graph quantizes the float weights itself.
+    onnx = "onnx" in recipe.formats
+    model = load_model(recipe.model, dtype=recipe.dtype, quantize=None if onnx else recipe.quantize)
 
     def copy_tokenizer(folder: Path) -> None:
         """What a client needs beside the programs: the tokenizer, its chat template, the eos ids."""

@@ -41,12 +41,15 @@ def export_artifact(
 
     `buckets` are the prompt widths of the torch prefill programs (the ONNX graph takes any).
     `fields` are merged into the manifest (e.g. the recipe); `extra_files(folder)` may add files
-    (the tokenizer) before the hashes are taken. `quantize` gives the ONNX graph int8/int4 weights
-    (onnx_quantize.py); `model` is then the float model. Every input is checked before anything is built.
+    (the tokenizer) before the hashes are taken. The torch formats take `model` as loaded (with
+    torchao's int8/int4 weights if it was loaded with `quantize`); `quantize` gives the ONNX graph
+    ONNX Runtime's int8/int4 weights (onnx_quantize.py) of the float `model`. Every input is
+    checked before anything is built.
     """
-    check_exportable(quantize and quantize.name, formats)
+    _check_weights(model, quantize, formats)
     cache = _export_cache(model, spec, buckets, formats)
     param = next(model.parameters())
+    weights = quantize or model.quantization
 
     def timed(what: str, run: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -58,9 +61,10 @@ def export_artifact(
         manifest: dict[str, Any] = {}
         torch_formats = [f for f in formats if f != "onnx"]
         if torch_formats:
+            from ..quantize import plain_tensors
             from .torch_export import StepProgram, write_torch
 
-            step = StepProgram(model, cache).eval()
+            step = StepProgram(plain_tensors(model) if model.quantization else model, cache).eval()
             manifest |= write_torch(folder, step, buckets, torch_formats, timed)
         if "onnx" in formats:
             from .onnx_export import write_onnx
@@ -72,6 +76,7 @@ def export_artifact(
             "model": {"config": model.config.to_dict(), "source": getattr(model, "source", None)},
             "cache": _cache_fields(cache),
             "dtype": dtype_name(param.dtype),
+            "quantize": weights and weights.name,
             "device": param.device.type,
             "prefill_buckets": sorted(set(buckets)),
             "formats": list(formats),
@@ -83,24 +88,42 @@ def export_artifact(
 
 
 def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
-    """Refuse quantized weights in the torch formats, which no exporter writes yet: torchao's tensor
-    subclasses have no safetensors form. The ONNX graph quantizes its own (onnx_quantize.py)."""
+    """Refuse quantized weights in the torch formats beside the ONNX graph: the torch programs run
+    torchao's weights in bfloat16, the ONNX graph ONNX Runtime's quantization of the float32 weights
+    (onnx_quantize.py), so they are two models and go to two artifacts. Refuse int4 in AOTInductor,
+    whose constant folding makes packed copies of the weights outside the weights file."""
     torch_formats = [f for f in formats if f != "onnx"]
-    if quantize is not None and torch_formats:
+    if quantize is not None and quantize.startswith("int4") and "aoti" in formats:
         raise ArtifactError(
-            f"exporting {quantize} weights to {', '.join(torch_formats)} is not supported yet; export them to onnx "
-            "alone (--format onnx), export the float model (no --quantize, no quantize key in the recipe), or run "
-            "the quantized model with --backend eager, compiled or cudagraph"
+            f"exporting {quantize} weights to aoti is not supported yet: AOTInductor folds the packed int4 weights "
+            "into constants of its own, which the artifact's one weights file cannot share; export them to pt2 "
+            "(--format pt2) or onnx (--format onnx), or export int8 weights to aoti"
+        )
+    if quantize is not None and torch_formats and "onnx" in formats:
+        raise ArtifactError(
+            f"exporting {quantize} weights to {', '.join(torch_formats)} and onnx in one artifact is not supported: "
+            "the torch programs compute in bfloat16 with torchao's weights and the ONNX graph in float32 with ONNX "
+            f"Runtime's; export them to two artifacts (--format {','.join(torch_formats)}, then --format onnx)"
+        )
+
+
+def _check_weights(model: Decoder, quantize: QuantSpec | None, formats: Sequence[str]) -> None:
+    """The ONNX graph quantizes the float model's weights itself; the torch formats export the model as loaded."""
+    check_exportable(quantize and quantize.name, formats)
+    if model.quantization is not None and "onnx" in formats:
+        raise ArtifactError(
+            f"the model was loaded with quantize={model.quantization.name!r}; the ONNX exporter takes the float "
+            "model and quantize=, which the ONNX graph applies to its own weights"
+        )
+    if quantize is not None and "onnx" not in formats and model.quantization != quantize:
+        raise ArtifactError(
+            f"quantize={quantize.name!r} with format(s) {', '.join(formats)}: the torch formats export the model as "
+            f"loaded; load it with quantize={quantize.name!r} (torchao's weights)"
         )
 
 
 def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], formats: Sequence[str]) -> KVCache:
     """The cache the programs are traced with, once every input has been checked."""
-    if model.quantization is not None:
-        raise ArtifactError(
-            f"the model was loaded with quantize={model.quantization.name!r}; exporters take the float model "
-            "and quantize=, which the ONNX graph applies to its own weights"
-        )
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         raise ArtifactError(f"format(s) {unknown or list(formats)} unknown; choose from {', '.join(FORMATS)}")
