@@ -129,7 +129,7 @@ def test_bad_sink_caches_are_refused(tmp_path):
         export_artifact(model, CacheSpec("sink", 1, 32), [16], tmp_path / "artifact")
     assert str(raised.value) == (
         "cache 'sink' cannot be exported (the exporters do not write its sink scores yet); choose one of "
-        "static, sliding, hybrid, auto"
+        "static, sliding, hybrid, auto, static-int8, sliding-int8, hybrid-int8"
     )
     assert not (tmp_path / "artifact").exists()
     assert main(["run", "--model", "tiny-llama", "--cache", "sink", "--max-cache-len", "8", "--prompt-ids", "1"]) == 0

@@ -132,7 +132,8 @@ def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], forma
         if spec.kind == "sink":
             why = "the exporters do not write its sink scores yet"
         raise ArtifactError(
-            f"cache {spec.kind!r} cannot be exported ({why}); choose one of {', '.join(EXPORTABLE_CACHES)}"
+            f"cache {spec.kind!r} cannot be exported ({why}); choose one of "
+            f"{', '.join(EXPORTABLE_CACHES + INT8_CACHES)}"
         )
     if any(b > spec.max_cache_len for b in buckets):
         raise ArtifactError(f"prefill buckets {list(buckets)} must not exceed max_cache_len {spec.max_cache_len}")
