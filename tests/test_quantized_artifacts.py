@@ -1,11 +1,14 @@
-"""Quantized ONNX artifacts (`export --format onnx --quantize ...`, exporters/onnx_quantize.py): each
+"""Quantized artifacts. ONNX (`export --format onnx --quantize ...`, exporters/onnx_quantize.py): each
 weight in ONNX Runtime's MatMulNBits, read back and dequantized against the float weight it came
 from; onnxruntime-genai runs the artifact token for token as staticrt's runner does; the bench
-times the quantized graph beside the float one."""
+times the quantized graph beside the float one. pt2 / AOTInductor: torchao's weights unwrapped into
+plain tensors, stored once, run without torchao with the eager / compiled backends' tokens."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -88,3 +91,44 @@ def test_bench_times_the_graph_quantized_from_the_float_weights():
     assert int8["quantize"] == "int8" and len(int8["tokens"][0]) == 4
     # int8 blocks of 64 with a float32 scale and a uint8 zero point each: 69 bytes for 256 in float32
     assert int8["weight_bytes_per_step"] < report["weight_bytes_per_step"]["none"] / 3
+
+
+def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torchao(tmp_path):
+    """`export --quantize int8 --format pt2,aoti`: weights.safetensors holds the int8 data and scales
+    (torchao's tensors unwrapped into plain ones), at most 1.1x the quantized model's bytes; the pt2
+    programs give the eager backend's tokens (the same dequantizing matmul), the AOTInductor packages
+    the compiled backend's (the same fused int8 kernel), in a process where torchao cannot load.
+    int4 exports to pt2 (eager's tokens); to aoti it is refused (see the refusals test)."""
+    pytest.importorskip("torchao", reason="quantization needs torchao: install the test extra")
+    from safetensors import safe_open
+
+    from staticrt.bench.probes import stored_bytes
+
+    prompt, argv = [5, 17, 99, 3, 250], ["export", "--model", "tiny-llama", "--max-cache-len", "64"]
+    tokens = {}
+    for quantize, formats in (("int8", "pt2,aoti"), ("int4", "pt2")):
+        out = tmp_path / quantize
+        assert main([*argv, "--quantize", quantize, "--format", formats, "--out", str(out)]) == 0
+        model = staticrt.load_model("tiny-llama", quantize=quantize)
+        for backend in ("eager", "compiled") if quantize == "int8" else ("eager",):
+            gen = staticrt.Generator(model, max_cache_len=64, backend=backend)
+            tokens[quantize, backend] = gen.generate([prompt], max_new_tokens=24)[0]
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert (manifest["quantize"], manifest["dtype"]) == (f"{quantize}-g32".replace("int8-g32", "int8"), "bfloat16")
+        with safe_open(out / "weights.safetensors", "pt") as weights:
+            dtypes = {name: weights.get_slice(name).get_dtype() for name in weights.keys()}
+        data = "model.layers.0.mlp.down_proj.parametrizations.weight.original0"
+        assert dtypes[data] == ("I8" if quantize == "int8" else "U8")
+        assert not [name for name in dtypes if name.endswith("proj.weight")]  # no float projection left
+        size = (out / "weights.safetensors").stat().st_size
+        assert size <= 1.1 * sum(stored_bytes(p) for p in model.parameters())
+    script = (
+        "import sys, json; sys.modules['torchao'] = None\n"
+        "from staticrt.runtime import load_artifact\n"
+        "runs = [('int8', 'pt2'), ('int8', 'aoti'), ('int4', 'pt2')]\n"
+        f"print(json.dumps([load_artifact('{tmp_path}/' + q, backend=b).generate([{prompt}], 24)[0] for q, b in runs]))"
+    )
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    int8_pt2, int8_aoti, int4_pt2 = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert int8_pt2 == tokens["int8", "eager"] and int8_aoti == tokens["int8", "compiled"]
+    assert int4_pt2 == tokens["int4", "eager"]
