@@ -5,7 +5,6 @@ transformers' in hf.py."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 import statistics
 import tempfile
@@ -20,6 +19,7 @@ from ..caches import CacheSpec, resolve_max_cache_len
 from ..model import Decoder
 from ..quant_spec import QuantSpec, parse_quantize
 from ..runtime import BACKENDS, Generator
+from .probes import graph_weight_bytes
 
 
 @dataclasses.dataclass
@@ -90,22 +90,3 @@ def _onnx_generator(model: Decoder, spec: CacheSpec, bucket: int, quantize: Quan
         return Generator(backend), graph_weight_bytes(folder / backend.manifest["onnx"]["graph"], spec.max_batch_size)
     finally:  # the session holds the graph and weights in memory; the files may go
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def graph_weight_bytes(path: Path, batch_size: int) -> int:
-    """Bytes of weights one step of the ONNX graph at `path` reads: every initializer once (as
-    stored: packed int4 / int8 with their scales and zero points when quantized), but of a table
-    only gathered from (the embedding of an untied model) only the looked-up rows."""
-    import onnx
-
-    graph = onnx.load(str(path), load_external_data=False).graph
-    gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}
-    elsewhere = {name for node in graph.node if node.op_type != "Gather" for name in node.input}
-    total = 0
-    for init in graph.initializer:
-        itemsize = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
-        shape = list(init.dims)
-        if init.name in gathered and init.name not in elsewhere:
-            shape[0] = batch_size  # one row a token
-        total += math.prod(shape) * itemsize
-    return total

@@ -3,8 +3,10 @@ of a large matrix-vector product, a CUDA device's copy bandwidth, and the bytes 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -29,6 +31,25 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     if model.lm_head is not None:
         total -= embed.numel() * embed.element_size()
         total += batch_size * embed.shape[1] * embed.element_size()
+    return total
+
+
+def graph_weight_bytes(path: Path, batch_size: int) -> int:
+    """Bytes of weights one step of the ONNX graph at `path` reads: every initializer once (as
+    stored: packed int4 / int8 with their scales and zero points when quantized), but of a table
+    only gathered from (the embedding of an untied model) only the looked-up rows."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}
+    elsewhere = {name for node in graph.node if node.op_type != "Gather" for name in node.input}
+    total = 0
+    for init in graph.initializer:
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize
+        shape = list(init.dims)
+        if init.name in gathered and init.name not in elsewhere:
+            shape[0] = batch_size  # one row a token
+        total += math.prod(shape) * itemsize
     return total
 
 

@@ -32,6 +32,7 @@ against torchao's +0.2%): requantizing moves every weight by up to half a step.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +95,7 @@ def _gemms_as_matmuls(model: Any) -> int:
     from onnx import helper, numpy_helper
 
     initializers = {init.name: init for init in model.graph.initializer}
-    readers: dict[str, int] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = Counter(name for node in model.graph.node for name in node.input)
     count = 0
     for node in model.graph.node:
         if node.op_type != "Gemm" or len(node.input) != 2 or node.input[1] not in initializers:
