@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import gguf_blocks
 from .config import ModelConfig, load_hf_config
 from .dtypes import resolve_dtype
-from .errors import CheckpointError, first_line
+from .errors import CheckpointError, ConfigError, first_line
 from .generation_config import read_generation_defaults
 from .model import Decoder, init_random, use_column_major_weights
 from .presets import PRESETS
@@ -58,14 +59,14 @@ def _weight_files(folder: Path) -> list[Path]:
     )
 
 
-def _read_state_dict(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     name = key.removeprefix("model.")
-                    state[name] = f.get_tensor(key).to(dtype)
+                    state[name] = f.get_tensor(key)
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
             reason = first_line(err)
             raise CheckpointError(
@@ -126,6 +127,26 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
     return dataclasses.replace(config, eos_token_ids=eos) if eos else config
 
 
+def stored_quantization(folder: Path) -> QuantSpec | None:
+    """The spec of a folder whose projections `staticrt convert --keep-quantized` kept as GGUF
+    codes (gguf_blocks.py); None for float weights. Other quantized checkpoints (GPTQ, AWQ, ...)
+    are refused by name: their tensors are not weights staticrt can read."""
+    try:
+        quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_config has already said what is wrong with config.json
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != gguf_blocks.QUANT_METHOD:
+        raise CheckpointError(
+            f"{folder}: config.json says its weights are quantized by {method!r}; staticrt reads float "
+            "checkpoints (and quantizes them with --quantize) and GGUF codes kept by staticrt convert "
+            "--keep-quantized: use the float checkpoint, or a GGUF of the model with staticrt convert"
+        )
+    return parse_quantize(quantization.get("weights"))
+
+
 def load_model(
     path_or_preset: str | Path,
     dtype: torch.dtype | str | None = None,
@@ -140,15 +161,27 @@ def load_model(
     float16. `dtype` defaults to float32 for a float model.
     """
     spec = parse_quantize(quantize)
-    dtype = quantized_dtype(spec, None if dtype is None else resolve_dtype(dtype))
     config = load_config(path_or_preset)
+    stored = None if str(path_or_preset) in PRESETS else stored_quantization(Path(path_or_preset))
+    if stored is not None and spec not in (None, stored):
+        raise ConfigError(
+            f"{path_or_preset} holds {stored.name} weights kept from a GGUF (staticrt convert --keep-quantized), "
+            f"not quantize {spec.name!r}: leave quantize out (or pass {stored.name}), or convert the GGUF "
+            "without --keep-quantized to quantize the float weights otherwise"
+        )
+    spec = stored or spec
+    dtype = quantized_dtype(spec, None if dtype is None else resolve_dtype(dtype))
     if str(path_or_preset) in PRESETS:
         model = init_random(Decoder(config), seed=0).to(dtype=dtype, device=device)
         model.tokenizer = None
         model.source = str(path_or_preset)
         return _ready(model, spec)
     folder = Path(path_or_preset)
-    state = _read_state_dict(_weight_files(folder), dtype)
+    state, kept = gguf_blocks.split_state(_read_state_dict(_weight_files(folder)))
+    # Kept codes are weights too: their exact values stand in until quantize_weights replaces them.
+    state |= {name: gguf_blocks.dequantize(blocks) for name, blocks in kept.items()}
+    for name, tensor in state.items():
+        state[name] = tensor.to(dtype)  # one at a time: a float32 copy goes as its cast arrives
     config = _head_of(config, state, str(folder))
     with torch.device("meta"):
         model = Decoder(config)
@@ -158,14 +191,15 @@ def load_model(
     model = model.to(device)
     model.tokenizer = load_tokenizer(folder)
     model.source = str(folder)
-    return _ready(model, spec)
+    return _ready(model, spec, kept)
 
 
-def _ready(model: Decoder, spec: QuantSpec | None) -> Decoder:
-    """Inference mode, quantized weights if asked, and on CPU the layout that decodes fastest there."""
+def _ready(model: Decoder, spec: QuantSpec | None, kept: dict[str, gguf_blocks.Blocks] | None = None) -> Decoder:
+    """Inference mode, quantized weights if asked (with the GGUF codes `kept`, where the folder
+    has them), and on CPU the layout that decodes fastest there."""
     model = model.eval().requires_grad_(False)
     if spec is not None:
-        quantize_weights(model, spec)
+        quantize_weights(model, spec, kept or {})
     if next(model.parameters()).device.type == "cpu":
         use_column_major_weights(model)
     return model

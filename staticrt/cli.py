@@ -122,11 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="convert a GGUF file to a checkpoint folder (needs the gguf extra)",
         epilog="example:\n  staticrt convert SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2\n"
-        "  staticrt run --model models/smollm2 --chat 'What is the capital of France?'",
+        "  staticrt run --model models/smollm2 --chat 'What is the capital of France?'\n"
+        "  staticrt convert --keep-quantized SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2-int4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     convert.add_argument("gguf", type=Path, help="the .gguf file (llama, mistral, qwen2 or gemma2; any weight type)")
     convert.add_argument("out", type=Path, help="the checkpoint folder to write (new, or empty)")
+    convert.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="keep Q4_0/Q4_1 projections' 4-bit codes (they load as int4-g32) or Q8_0's (int8, one scale a "
+        "channel at load) instead of writing float32: a folder about the GGUF's size that loads quantized, "
+        "in bfloat16, with the quant extra; transformers cannot read it",
+    )
 
     bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
     bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")

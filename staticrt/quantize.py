@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .gguf_blocks import BLOCK, Blocks, codes_of
 from .quant_spec import INT4_GROUP_SIZES, QuantSpec
 
 QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
@@ -72,11 +73,13 @@ def _torchao_config(spec: QuantSpec, device: torch.device) -> object:
     )
 
 
-def quantize_weights(model: nn.Module, spec: QuantSpec) -> nn.Module:
+def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] | None = None) -> nn.Module:
     """Quantize `model`'s projections and head in place (see the module docstring); returns it.
 
     Every shape is checked before any weight changes: an int4 group must divide each projection's
     input size, or the model is refused with the sizes and the group sizes that fit.
+    `kept`: GGUF codes by checkpoint weight name (gguf_blocks.py), which int4 projections on the
+    CPU take as they are (`_keep_codes`); elsewhere torchao quantizes their exact values.
     """
     config = model.config
     weight = model.embed_tokens.weight
@@ -101,8 +104,38 @@ def quantize_weights(model: nn.Module, spec: QuantSpec) -> nn.Module:
     warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
     quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
     quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
+    if kept and spec.bits == 4 and weight.device.type == "cpu":
+        _keep_codes(model, kept)
     model.quantization = spec
     return model
+
+
+def _keep_codes(model: nn.Module, kept: dict[str, Blocks]) -> None:
+    """Give each int4 projection the GGUF's own codes, scales and minimums in place of the ones
+    torchao chose: a Q4_0/Q4_1 block is one group of the CPU int4 kernel, whose weight is
+    `(q - 8) * scale + zero`, so `scale = d` and `zero = m + 8 d` (rounded to the compute dtype)."""
+    from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
+    from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+    for name, module in model.layers.named_modules(prefix="layers"):
+        if not isinstance(module, nn.Linear):
+            continue
+        owner, _, own_name = name.rpartition(".")
+        parts = [kept[f"{owner}.{part}.weight"] for part in getattr(module, "parts", {own_name: 0})]
+        codes = torch.cat([codes_of(blocks) for blocks in parts]).to(torch.int32)  # [N, K] in 0..15
+        scales = torch.cat([blocks["scales"] for blocks in parts]).float()  # [N, K/32]
+        zeros = torch.cat([blocks["mins"] for blocks in parts]).float() + 8 * scales
+        assert codes.shape == module.weight.shape and scales.shape[1] * BLOCK == codes.shape[1]
+        dtype = module.weight.dtype
+        module.weight = nn.Parameter(
+            Int4OpaqueTensor(
+                qdata=torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
+                scale_and_zero=pack_tinygemm_scales_and_zeros(scales.to(dtype), zeros.to(dtype), dtype),
+                block_size=[1, BLOCK],
+                shape=module.weight.shape,
+            ),
+            requires_grad=False,
+        )
 
 
 def plain_tensors(model: nn.Module) -> nn.Module:

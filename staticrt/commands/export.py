@@ -10,23 +10,30 @@ from typing import Any
 
 from ..artifact import FORMATS
 from ..console import console, progress
-from ..errors import ArtifactError
+from ..errors import ArtifactError, ConfigError
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from ..artifact_write import check_target
     from ..caches import CacheSpec
-    from ..checkpoint import load_model
+    from ..checkpoint import load_model, stored_quantization
     from ..exporters import check_exportable, export_artifact
     from ..quant_spec import parse_quantize
 
     recipe = _recipe(args)
-    spec = parse_quantize(recipe.quantize)
+    # The torch formats export torchao's weights; the ONNX graph quantizes the float weights itself.
+    onnx = "onnx" in recipe.formats
+    stored = stored_quantization(Path(recipe.model)) if Path(recipe.model).is_dir() else None
+    if stored is not None and onnx:
+        raise ConfigError(
+            f"{recipe.model} holds {stored.name} codes kept from a GGUF (staticrt convert --keep-quantized), and "
+            "an ONNX graph quantizes float weights itself (MatMulNBits): convert the GGUF without --keep-quantized "
+            f"and export that folder with --format onnx --quantize {stored.name}, or export this one to pt2"
+        )
+    spec = parse_quantize(recipe.quantize) or stored
     check_exportable(spec and spec.name, recipe.formats)
     out = args.out or Path("artifacts") / recipe.name
     check_target(out)
-    # The torch formats export torchao's weights; the ONNX graph quantizes the float weights itself.
-    onnx = "onnx" in recipe.formats
     model = load_model(recipe.model, dtype=recipe.dtype, quantize=None if onnx else recipe.quantize)
 
     def copy_tokenizer(folder: Path) -> None:
