@@ -190,6 +190,15 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, view: LayerView) -> torch.Tensor:
+    return layer(x, rope, view)
+
+
+# The same call as a region torch.compile traces and compiles once and reuses for every layer of
+# the same shape (its "hierarchical compilation"); outside torch.compile it is the plain call.
+_run_layer_once = torch.compiler.nested_compile_region(_run_layer)
+
+
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -211,12 +220,15 @@ class Decoder(nn.Module):
         num_new: torch.Tensor | None = None,
         last_only: bool = True,
         fresh: bool = False,
+        layers_once: bool = False,
     ) -> torch.Tensor:
         """Run `input_ids [B, T]` at positions `write_index[b] + t`, writing the cache in place.
 
         `num_new [B]` counts each row's real tokens (the rest is right padding; default T). Returns
         logits `[B, V]` at each row's last real token, or `[B, T, V]` with `last_only=False`.
         `fresh`: the caller knows every write_index is 0, so attention skips the cache's buffers.
+        `layers_once`: under torch.compile, compile one layer's code and reuse it for the others
+        (`_run_layer_once`); the same arithmetic, a fraction of the compile time.
         """
         batch, seq_len = input_ids.shape
         if num_new is None:
@@ -229,8 +241,9 @@ class Decoder(nn.Module):
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         meta = cache.begin_step(write_index, num_new, seq_len, fresh)
         rope = rope_tables(meta.positions, self.inv_freq, x.dtype)  # cos, sin [B, 1, T, D]
+        run_layer = _run_layer_once if layers_once else _run_layer
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache.view(i, meta, x))
+            x = run_layer(layer, x, rope, cache.view(i, meta, x))
         if last_only:
             last = (num_new - 1).clamp(min=0)
             x = x.view(batch, seq_len, -1)[torch.arange(batch, device=x.device), last]  # [B, C]

@@ -211,3 +211,36 @@ def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_o
         model.layers[0].mlp.down_proj.weight.mul_(2)
     with pytest.raises(GenerationError, match="weights changed in place after its decode graph froze them"):
         compiled.generate(prompts, max_new_tokens=24)
+
+
+def test_a_cpu_prefill_graph_traces_one_layer_for_all_and_gives_the_same_tokens(monkeypatch):
+    """A float model's CPU prefill graph compiles its layer once (`Decoder.forward`'s
+    `layers_once`): dynamo captures one layer's ops for four layers, and the tokens are those of
+    the same graph with every layer inlined. The decode graph inlines every layer."""
+    from torch._dynamo.utils import counters
+
+    from staticrt.backends.compiled import CompiledBackend
+    from staticrt.presets import PRESETS
+
+    tiny = PRESETS["tiny-llama"]
+    config = dataclasses.replace(tiny, num_layers=4, layer_types=tiny.layer_types[:1] * 4)
+    monkeypatch.setitem(PRESETS, "test-4-layers", config)
+    model = staticrt.load_model("test-4-layers")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
+    captured, tokens = {}, {}
+    for once in (True, False):
+        monkeypatch.setattr(CompiledBackend, "layers_once", lambda self, seq_len, once=once: seq_len > 1 and once)
+        compiled = staticrt.Generator(model, max_batch_size=2, max_cache_len=64, backend="compiled")
+        for width in (16, 1):
+            counters.clear()
+            compiled.backend.prepare([width], False)
+            captured[once, width] = counters["stats"]["calls_captured"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            tokens[once] = compiled.generate(prompts, max_new_tokens=24)
+    assert tokens[True] == tokens[False]
+    assert captured[True, 1] == captured[False, 1]  # decode: the same graph either way
+    per_layer = (captured[False, 16] - captured[True, 16]) / 3  # three layers fewer traced
+    assert per_layer > 10 and captured[True, 16] < captured[False, 16] / 2
+    monkeypatch.undo()  # the rule itself: CPU prefill graphs of a float model
+    backend = staticrt.Generator(model, max_cache_len=64, backend="compiled").backend
+    assert (backend.layers_once(16), backend.layers_once(1)) == (True, False)

@@ -34,9 +34,13 @@ def graph_name(seq_len: int, choice: str, fresh: bool) -> str:
     return f"{width}_{choice}"
 
 
-def _own_code_copy(fn: types.FunctionType, tag: str) -> types.FunctionType:
+def _own_code_copy(fn: types.FunctionType, tag: str, **keywords: Any) -> types.FunctionType:
+    """`fn` under a code object of its own, its keyword-only defaults set to `keywords`: a
+    constant of the graph traced from it."""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **keywords}
+    return copy
 
 
 # Decode step, B=1 / B=8, ms, MKL -> frozen oneDNN (docs/measurements.md): hidden 64: 0.11 -> 0.33 /
@@ -95,6 +99,12 @@ class CompiledBackend(EagerBackend):
     # (one long function over every layer) compiles at -O1, which halves a first compile of a
     # 30-layer model at no measurable decode cost (docs/measurements.md).
     compile_options: dict[str, Any] = {"options": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}}
+    # A CPU prefill graph of a float model compiles its layer once (`Decoder.forward`'s
+    # `layers_once`), which torch 2.13 codegens only with the Python wrapper: SmolLM2's prefill
+    # graph compiled in 27 s instead of 51 s, at the same prefill time (docs/measurements.md).
+    # Decode keeps the C++ wrapper and frozen weights, which the region cannot have and whose
+    # step is a third faster.
+    layers_once_options: dict[str, Any] = {"options": {}}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -179,6 +189,12 @@ class CompiledBackend(EagerBackend):
             and self.model.quantization is None
         )
 
+    def layers_once(self, seq_len: int) -> bool:
+        """Whether a graph of width `seq_len` compiles its layer once (`layers_once_options`): a CPU
+        prefill graph of a float model. torchao's weights cannot enter the region in torch 2.13,
+        and on CUDA the graphs keep the path that CUDA graphs were written for."""
+        return seq_len > 1 and self.device.type == "cpu" and self.model.quantization is None
+
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code
         called directly, or the graph itself where torch offers no such code."""
@@ -189,11 +205,12 @@ class CompiledBackend(EagerBackend):
         if key in self._checked:
             return self._checked[key]
         if key not in self._graphs:
+            once = self.layers_once(seq_len)
             compiled = torch.compile(
-                _own_code_copy(run_step, graph_name(*key)),
+                _own_code_copy(run_step, graph_name(*key), layers_once=once),
                 fullgraph=True,
                 dynamic=False,
-                **self.compile_options,
+                **(self.layers_once_options if once else self.compile_options),
             )
             self._graphs[key] = compiled
         return self._graphs[key]

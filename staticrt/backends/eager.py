@@ -48,10 +48,13 @@ def run_step(
     uniform: torch.Tensor | None,  # [B], None for greedy
     candidates: int = 0,
     fresh: bool = False,
+    *,
+    layers_once: bool = False,
 ) -> Any:
     """One model step plus token choice: the unit every torch backend runs (and compiles) whole.
-    Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair."""
-    logits = model(input_ids, write_index, cache, num_new, fresh=fresh)  # [B, V]
+    Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair.
+    `layers_once`: see `Decoder.forward` (a compiled graph's own copy sets it, compiled.py)."""
+    logits = model(input_ids, write_index, cache, num_new, fresh=fresh, layers_once=layers_once)  # [B, V]
     if candidates:
         return beam_candidates(logits, candidates)
     if uniform is None:

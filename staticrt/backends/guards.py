@@ -35,7 +35,9 @@ def code_past_guards(compiled: Any) -> Callable[..., Any] | None:
         original = compiled._torchdynamo_orig_callable  # the function torch.compile wrapped
         entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(original.__code__)
         code = entries[0].code
-        return types.FunctionType(code, original.__globals__, code.co_name)
+        bypass = types.FunctionType(code, original.__globals__, code.co_name, original.__defaults__)
+        bypass.__kwdefaults__ = original.__kwdefaults__  # the defaults the graph was traced with
+        return bypass
     except (AttributeError, IndexError, TypeError) as err:
         reason = f"{type(err).__name__}: {err}"
         if reason not in _WARNED:
