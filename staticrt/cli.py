@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE[,FILE]",
         help="also run llama.cpp on these GGUF files (the same model at its own quantization; batch 1), "
-        "labelled llamacpp-Q4_1 etc. (the llamacpp extra: llama-cpp-python, built from source)",
+        "labelled llamacpp-Q4_1 etc., or on the bench's model written as GGUF: Q8_0, Q4_0, Q4_1 in place of "
+        "a file (a float Llama model, e.g. bench-llama) (the llamacpp extra: llama-cpp-python, built from source)",
     )
     bench.add_argument(
         "--window",

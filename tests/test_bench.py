@@ -119,8 +119,18 @@ def test_onnx_cannot_join_the_offload_bench():
 
 
 def test_llamacpp_and_quantized_runs_are_refused_before_anything_loads(tmp_path):
-    with pytest.raises(BenchError, match=r"^--gguf .*missing.gguf: no such file$"):
+    with pytest.raises(BenchError) as refused:
         run_bench("tiny-llama", ["eager"], gguf=(str(tmp_path / "missing.gguf"),))
+    assert str(refused.value) == (
+        f"--gguf {tmp_path / 'missing.gguf'}: no such file (or name a type, Q8_0, Q4_0, Q4_1, to write the "
+        "bench's model as a GGUF of it)"
+    )
+    with pytest.raises(BenchError) as refused:
+        run_bench("tiny-gemma2", ["eager"], gguf=("Q4_0",))
+    assert str(refused.value) == (
+        "--gguf Q4_0: writes a float Llama model (no biases, default RoPE) as Q8_0, Q4_0, Q4_1; this model "
+        "has family 'gemma2': pass a GGUF file of it instead"
+    )
     with pytest.raises(BenchError, match="^--gguf runs llama.cpp at batch 1 on its own cache; drop --batch-size"):
         run_bench("tiny-llama", ["eager"], batch_size=2, gguf=(str(tmp_path / "missing.gguf"),))
     with pytest.raises(
@@ -171,3 +181,28 @@ def test_the_load_generator_only_targets_loopback():
 
     with pytest.raises(ValueError, match="^the load generator only targets loopback servers; http://10.0.0.2:80 is on"):
         check_loopback("http://10.0.0.2:80")
+
+
+def test_a_preset_written_as_gguf_is_the_same_model_to_transformers(tmp_path):
+    """`bench --gguf Q4_0` times llama.cpp on the bench's own model written as GGUF
+    (bench/gguf_write.py). Written with float tensors, transformers' GGUF loader (which undoes
+    llama.cpp's Q/K row order) gives staticrt's greedy tokens; written as Q4_0, the projections
+    are Q4_0 and the embedding and head Q8_0."""
+    transformers = pytest.importorskip("transformers", reason="transformers reads GGUF: install the test extra")
+    gguf = pytest.importorskip("gguf", reason="the gguf extra writes GGUF")
+    import torch
+
+    import staticrt
+    from staticrt.bench.gguf_write import write_gguf
+
+    model = staticrt.load_model("tiny-llama")  # untied head, 2 query heads a KV head
+    write_gguf(model, tmp_path / "tiny.F32.gguf", "F32")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.F32.gguf", dtype=torch.float32)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ours = staticrt.Generator(model, max_cache_len=64).generate([prompt], max_new_tokens=20)[0]
+    out = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert out[0, len(prompt) :].tolist() == ours
+    written = gguf.GGUFReader(write_gguf(model, tmp_path / "q.gguf", "Q4_0"))
+    types = {t.name: t.tensor_type.name for t in written.tensors}
+    assert types["blk.1.attn_k.weight"] == types["blk.0.ffn_down.weight"] == "Q4_0"
+    assert types["token_embd.weight"] == types["output.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"

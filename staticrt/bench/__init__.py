@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from ..errors import BenchError
 from ..model import Decoder
 from ..quantize import QUANTIZED_DTYPES
 from .contenders import Contender, staticrt_contender
-from .plan import QUANTO_CACHE, BenchRequest, Run, bench_prompts, plan_runs
+from .gguf_write import check_writable, write_gguf
+from .plan import GGUF_TYPES, QUANTO_CACHE, BenchRequest, Run, bench_prompts, plan_runs
 from .probes import StreamProbe, copy_bytes_per_s, kv_bytes_per_step, weight_bytes_per_step
 
 Stage = Callable[[str], None]
@@ -48,6 +50,9 @@ def run_bench(
     vocab = load_config(model_name).vocab_size
     runs = plan_runs(request, bench_prompts(vocab, request.batch_size, request.prompt_len))
     models = load_variants(request, {run.weights for run in runs}, dtype, device)
+    for run in runs:
+        if run.gguf in GGUF_TYPES:  # refused before anything compiles
+            check_writable(models[run.weights], run.gguf)
     probe = StreamProbe(dtype, torch.device(device))
     copy_bps = copy_bytes_per_s(torch.device(device)) if device == "cuda" else None
     contenders = warm_up(models, runs, request.new_tokens, on_stage)
@@ -127,7 +132,11 @@ def warm_up(models: dict[str, Decoder], runs: list[Run], new_tokens: int, on_sta
     for run in runs:
         on_stage(f"{run.label}: warm-up (compiles) on {len(run.prompts[0])} prompt + {new_tokens} new tokens")
         model = models[run.weights]
-        if run.gguf is not None:
+        if run.gguf in GGUF_TYPES:  # the model written as a GGUF; llama.cpp maps it, the file may go
+            with tempfile.TemporaryDirectory(prefix="staticrt-gguf-") as folder:
+                path = write_gguf(model, Path(folder) / f"model.{run.gguf}.gguf", run.gguf)
+                contenders[run.label] = llamacpp_contender(path, run.prompts, new_tokens, source="bench model")
+        elif run.gguf is not None:
             contenders[run.label] = llamacpp_contender(run.gguf, run.prompts, new_tokens)
         elif run.backend == "hf":
             contenders[run.label] = hf_contender(model, run.prompts, new_tokens, run.cache)

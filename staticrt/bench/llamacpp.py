@@ -16,8 +16,11 @@ from ..errors import BenchError
 from .contenders import Contender
 
 
-def llamacpp_contender(gguf: str | Path, prompts: list[list[int]], new_tokens: int) -> Contender:
-    """llama.cpp's decode of `gguf` on the first prompt, batch 1, after one warm-up generation."""
+def llamacpp_contender(
+    gguf: str | Path, prompts: list[list[int]], new_tokens: int, source: str | None = None
+) -> Contender:
+    """llama.cpp's decode of `gguf` on the first prompt, batch 1, after one warm-up generation.
+    `source`: where the file came from when it is not the user's (the report names it instead)."""
     try:
         import llama_cpp
     except ImportError:
@@ -62,7 +65,9 @@ def llamacpp_contender(gguf: str | Path, prompts: list[list[int]], new_tokens: i
         _, prefill_s, steps = generate()
         return prefill_s, statistics.median(steps)
 
+    size = Path(gguf).stat().st_size
+
     def report() -> dict[str, Any]:
-        return {"gguf": str(gguf), "gguf_bytes": Path(gguf).stat().st_size}
+        return {"gguf": source or str(gguf), "gguf_bytes": size}
 
     return Contender(run, [tokens], warmup_s, report)

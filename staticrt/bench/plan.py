@@ -14,6 +14,7 @@ from ..errors import BenchError
 from ..quant_spec import parse_quantize
 
 QUANTO_CACHE = "quanto-int4"  # transformers' QuantizedCache (bench/hf.py)
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # `--gguf` names that write the model as a GGUF (gguf_write.py)
 FLOAT_ONLY = ("hf",)  # transformers runs the float weights only
 GRAPH_QUANTIZED = ("onnx",)  # exported from the float weights, the graph quantizes its own (onnx_quantize.py)
 
@@ -54,9 +55,12 @@ class BenchRequest:
             raise BenchError(
                 "--gguf runs llama.cpp at batch 1 on its own cache; drop --batch-size, --window, --offload"
             )
-        missing = [path for path in self.gguf if not Path(path).is_file()]
+        missing = [path for path in self.gguf if path not in GGUF_TYPES and not Path(path).is_file()]
         if missing:
-            raise BenchError(f"--gguf {', '.join(missing)}: no such file")
+            raise BenchError(
+                f"--gguf {', '.join(missing)}: no such file (or name a type, {', '.join(GGUF_TYPES)}, to write "
+                "the bench's model as a GGUF of it)"
+            )
         if self.quantize and all(name in FLOAT_ONLY for name in self.backends) and "none" not in self.quantize:
             raise BenchError(
                 f"--quantize {','.join(self.quantize)}: backends {', '.join(self.backends)} run the float weights "
@@ -113,7 +117,7 @@ def bench_prompts(vocab: int, batch_size: int, prompt_len: int) -> list[list[int
 
 
 def gguf_label(path: str | Path) -> str:
-    """`llamacpp-Q4_1` for `model.Q4_1.gguf`: the contender's name in the report."""
+    """`llamacpp-Q4_1` for `model.Q4_1.gguf` (and for the type `Q4_1`): the contender's name in the report."""
     stem = Path(path).stem
     return f"llamacpp-{stem.rsplit('.', 1)[-1] if '.' in stem else stem}"
 
@@ -127,7 +131,7 @@ def plan_runs(request: BenchRequest, prompts: list[list[int]]) -> list[Run]:
     with a static-int8 cache ("NAME-kvint8"), and "hf" also with transformers' QuantizedCache
     ("hf-kvquanto", optimum-quanto int4: quanto has no int8). A quantized variant
     of the weights is a backend of its own, "NAME-int8", run with the same caches; each GGUF file
-    a llama.cpp run, "llamacpp-Q4_1"."""
+    (or GGUF type, written from the model: gguf_write.py) a llama.cpp run, "llamacpp-Q4_1"."""
     runs = _float_runs(request, prompts)
     quantized = [
         dataclasses.replace(run, label=f"{run.backend}-{quantize}{run.label[len(run.backend) :]}", quantize=quantize)
