@@ -20,21 +20,13 @@ import staticrt
 from staticrt.cli import main
 from staticrt.convert import convert_gguf
 from staticrt.errors import CheckpointError, ConfigError
+from staticrt.gguf_blocks import PROJECTIONS
 from staticrt.quant_spec import QuantSpec
 
 pytest.importorskip("torchao", reason="kept codes load as torchao tensors: install the test extra")
 
 LAYERS = 2
-# transformers' projection -> llama.cpp's, and our module holding it (fused ones as (module, row offset))
-PROJECTIONS = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+SHORT = {hf: short for short, hf in PROJECTIONS.items()}  # transformers' projection name -> llama.cpp's
 
 
 def kept(smollm2_gguf, root, qtype: str):
@@ -129,7 +121,7 @@ def test_kept_q8_0_loads_as_int8_a_channel_from_the_exact_values(q8_0):
         if name.endswith(("q_proj", "k_proj")):
             continue  # rows permuted in the file; the int4 test checks them against transformers
         layer, projection = name.removeprefix("layers.").split(".", 1)
-        gguf_tensor = tensors[f"blk.{layer}.{PROJECTIONS[projection]}.weight"]
+        gguf_tensor = tensors[f"blk.{layer}.{SHORT[projection]}.weight"]
         assert gguf_tensor.tensor_type == GGMLQuantizationType.Q8_0
         exact = torch.from_numpy(dequantize(np.asarray(gguf_tensor.data), gguf_tensor.tensor_type))
         expected = torch.nn.Linear(*exact.shape[::-1], bias=False, dtype=torch.bfloat16)

@@ -16,17 +16,12 @@ import numpy as np
 import torch
 
 from ..errors import BenchError
+from ..gguf_blocks import PROJECTIONS
 from ..model import Decoder
 from .plan import GGUF_TYPES  # what `bench --gguf` writes; F32 too, for an exact comparison
 
-PARTS = {  # checkpoint name inside a layer -> llama.cpp's
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+# checkpoint name inside a layer -> llama.cpp's: the projections as convert reads them, and the norms
+PARTS = {hf: short for short, hf in PROJECTIONS.items()} | {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
