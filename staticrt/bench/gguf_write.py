@@ -11,6 +11,7 @@ pieces (byte pieces where they fit), since the bench feeds token ids.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,23 @@ def check_writable(model: Decoder, qtype: str) -> None:
         )
 
 
+def _add_vocabulary(writer: Any, size: int) -> None:
+    """Placeholder pieces: 0 unknown, 1 and 2 control (bos, eos), then byte pieces, then the rest."""
+    import gguf
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))][:size]
+    pieces += [f"<t{i}>" for i in range(len(pieces), size)]
+    kinds = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    kinds += [gguf.TokenType.BYTE if p.startswith("<0x") else gguf.TokenType.NORMAL for p in pieces[3:]]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores([0.0] * size)
+    writer.add_token_types([int(kind) for kind in kinds])
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
     """Write `model` to `path` with its projections in `qtype` ("Q8_0", "Q4_0", "Q4_1"; "F32" keeps
     every tensor float, for an exact comparison)."""
@@ -76,18 +94,7 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
     writer.add_rope_freq_base(c.rope.theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
-    # Placeholder vocabulary: 0 unknown, 1 and 2 control (bos, eos), then byte pieces, then the rest.
-    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))][: c.vocab_size]
-    pieces += [f"<t{i}>" for i in range(len(pieces), c.vocab_size)]
-    kinds = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    kinds += [gguf.TokenType.BYTE if p.startswith("<0x") else gguf.TokenType.NORMAL for p in pieces[3:]]
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(pieces)
-    writer.add_token_scores([0.0] * c.vocab_size)
-    writer.add_token_types([int(kind) for kind in kinds])
-    writer.add_unk_token_id(0)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    _add_vocabulary(writer, c.vocab_size)
 
     def add(name: str, tensor: torch.Tensor, kind: str) -> None:
         values = tensor.detach().float().contiguous().numpy()  # row-major [out, in] as checkpoints hold it
