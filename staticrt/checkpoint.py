@@ -127,10 +127,13 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
     return dataclasses.replace(config, eos_token_ids=eos) if eos else config
 
 
-def stored_quantization(folder: Path) -> QuantSpec | None:
+def stored_quantization(path_or_preset: str | Path) -> QuantSpec | None:
     """The spec of a folder whose projections `staticrt convert --keep-quantized` kept as GGUF
-    codes (gguf_blocks.py); None for float weights. Other quantized checkpoints (GPTQ, AWQ, ...)
-    are refused by name: their tensors are not weights staticrt can read."""
+    codes (gguf_blocks.py); None for float weights and presets. Other quantized checkpoints (GPTQ,
+    AWQ, ...) are refused by name: their tensors are not weights staticrt can read."""
+    if str(path_or_preset) in PRESETS:
+        return None
+    folder = Path(path_or_preset)
     try:
         quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
     except (OSError, ValueError, AttributeError):
@@ -162,7 +165,7 @@ def load_model(
     """
     spec = parse_quantize(quantize)
     config = load_config(path_or_preset)
-    stored = None if str(path_or_preset) in PRESETS else stored_quantization(Path(path_or_preset))
+    stored = stored_quantization(path_or_preset)
     if stored is not None and spec not in (None, stored):
         raise ConfigError(
             f"{path_or_preset} holds {stored.name} weights kept from a GGUF (staticrt convert --keep-quantized), "

@@ -102,18 +102,20 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     # torchao's tensors give AOT autograd's cache no stable key, and torch says so once a tensor type;
     # inductor's graph cache still serves a second process (SmolLM2 int8: first token 70 s cold, 8.5 s warm).
     warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
-    quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
-    quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
     if kept and spec.bits == 4 and weight.device.type == "cpu":
         _keep_codes(model, kept)
+    else:
+        quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
+    quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
     model.quantization = spec
     return model
 
 
 def _keep_codes(model: nn.Module, kept: dict[str, Blocks]) -> None:
-    """Give each int4 projection the GGUF's own codes, scales and minimums in place of the ones
-    torchao chose: a Q4_0/Q4_1 block is one group of the CPU int4 kernel, whose weight is
-    `(q - 8) * scale + zero`, so `scale = d` and `zero = m + 8 d` (rounded to the compute dtype)."""
+    """Quantize each projection to int4 with the GGUF's own codes, scales and minimums rather than
+    torchao's choice from the float values: a Q4_0/Q4_1 block is one group of the CPU int4 kernel,
+    whose weight is `(q - 8) * scale + zero`, so `scale = d` and `zero = m + 8 d` (rounded to the
+    compute dtype)."""
     from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
     from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
 

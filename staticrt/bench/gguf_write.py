@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import BenchError
 from ..gguf_blocks import PROJECTIONS
@@ -96,8 +95,7 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
     writer.add_vocab_size(c.vocab_size)
     _add_vocabulary(writer, c.vocab_size)
 
-    def add(name: str, tensor: torch.Tensor, kind: str) -> None:
-        values = tensor.detach().float().contiguous().numpy()  # row-major [out, in] as checkpoints hold it
+    def add(name: str, values: np.ndarray, kind: str) -> None:
         if kind == "F32" or values.ndim == 1:
             writer.add_tensor(name, values)
         else:
@@ -105,7 +103,8 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
                 name, quantize(values, gguf.GGMLQuantizationType[kind]), raw_dtype=gguf.GGMLQuantizationType[kind]
             )
 
-    state = model.state_dict()
+    # row-major [out, in] float32, as checkpoints hold it
+    state = {name: t.detach().float().contiguous().numpy() for name, t in model.state_dict().items()}
     companion = "F32" if qtype == "F32" else "Q8_0"
     add("token_embd.weight", state["embed_tokens.weight"], companion)
     for i in range(c.num_layers):
@@ -113,7 +112,7 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
             weight = state[f"layers.{i}.{part}.weight"]
             if short in ("attn_q", "attn_k"):
                 heads = c.num_heads if short == "attn_q" else c.num_kv_heads
-                weight = torch.from_numpy(_permute(weight.detach().float().contiguous().numpy(), heads))
+                weight = _permute(weight, heads)
             add(f"blk.{i}.{short}.weight", weight, qtype)
     add("output_norm.weight", state["norm.weight"], "F32")
     if "lm_head.weight" in state:  # a tied head is the embedding, which llama.cpp reads when `output` is absent

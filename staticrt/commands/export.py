@@ -23,7 +23,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     recipe = _recipe(args)
     # The torch formats export torchao's weights; the ONNX graph quantizes the float weights itself.
     onnx = "onnx" in recipe.formats
-    stored = stored_quantization(Path(recipe.model)) if Path(recipe.model).is_dir() else None
+    stored = stored_quantization(recipe.model)
     if stored is not None and onnx:
         raise ConfigError(
             f"{recipe.model} holds {stored.name} codes kept from a GGUF (staticrt convert --keep-quantized), and "
