@@ -54,13 +54,20 @@ def _cell(value: Any) -> str:
     return f"{value:,.2f}" if isinstance(value, float) else str(value)
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    """Row names left and whole, numbers right; floats with two decimals and thousands separators."""
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], width: int | None = None) -> Table:
+    """Row names left and whole, numbers right; floats with two decimals and thousands separators.
+    Each column is as wide as its widest cell or header, or, where that is wider than `width`,
+    its widest cell or header word (headers wrap at spaces, cells never): a fixed width, which
+    rich does not shrink (its own collapse folds numbers in the middle)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = _column_widths(columns, cells, whole_headers=True)
+    if width is not None and _table_width(widths) > width:
+        widths = _column_widths(columns, cells, whole_headers=False)
     shown = Table(title=title)
-    for col in columns:  # headers wrap at spaces; a cell has none to wrap at (show_table checks the width)
-        shown.add_column(col, justify="left" if col == columns[0] else "right", overflow="fold")
-    for row in rows:
-        shown.add_row(*(_cell(v) for v in row))
+    for i, col in enumerate(columns):
+        shown.add_column(col, justify="left" if i == 0 else "right", overflow="fold", width=widths[i])
+    for row in cells:
+        shown.add_row(*row)
     return shown
 
 
@@ -79,8 +86,8 @@ def show_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
         print("|" + "|".join(":---" if i == 0 else "---:" for i in range(len(columns))) + "|")
         for row in cells:
             print("| " + " | ".join(row) + " |")
-    elif _table_width(columns, cells) <= console.width:
-        console.print(table(title, columns, rows))
+    elif _table_width(_column_widths(columns, cells, whole_headers=False)) <= console.width:
+        console.print(table(title, columns, rows, console.width))
     else:
         console.print(title, style="italic", markup=False, highlight=False, soft_wrap=True)
         label = max(len(c) for c in columns[1:])
@@ -90,10 +97,13 @@ def show_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]
                 console.print(f"  {col:<{label}}  {cell}", markup=False, highlight=False, soft_wrap=True)
 
 
-def _table_width(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> int:
-    """Characters a table needs with every cell whole and each header at its longest word:
-    a cell's width, 2 of padding and 1 of border a column, and the last border."""
-    widths = [
-        max([max(len(word) for word in col.split()), *(len(row[i]) for row in cells)]) for i, col in enumerate(columns)
-    ]
+def _column_widths(columns: Sequence[str], cells: Sequence[Sequence[str]], whole_headers: bool) -> list[int]:
+    """Each column's width: its widest cell, and its header whole or at its longest word."""
+    heads = [len(col) if whole_headers else max(len(word) for word in col.split()) for col in columns]
+    return [max([heads[i], *(len(row[i]) for row in cells)]) for i in range(len(columns))]
+
+
+def _table_width(widths: Sequence[int]) -> int:
+    """Characters a table of these column widths takes: 2 of padding and 1 of border a column,
+    and the last border."""
     return sum(w + 3 for w in widths) + 1

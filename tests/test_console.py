@@ -62,3 +62,15 @@ def test_progress_without_a_terminal_prints_each_stage_as_a_line(capsys):
     lines = capsys.readouterr().err.splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["benchmarking", "eager: warm-up"]
     assert all(line.startswith("[") and line.split("]")[0].endswith(" s") for line in lines)
+
+
+def test_a_table_that_just_fits_keeps_every_number_whole(monkeypatch, capsys):
+    """Rich's own collapse folded '3,921.84' over two lines when the table was a few columns too wide."""
+    monkeypatch.setattr(console, "width", 80)
+    columns = ["contender", "done", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    rows = [["staticrt", "192/192", 10851, 3921.84, 110.47, 221.71, 0.49, 12.40]]
+    rows.append(["one_at_a_time", "192/192"] + ["-"] * 6)
+    show_table("serve", columns, rows)
+    err = capsys.readouterr().err
+    assert all(cell in err for cell in ("one_at_a_time", "3,921.84", "110.47", "221.71", "12.40"))
+    assert max(len(line) for line in err.splitlines()) <= 80
