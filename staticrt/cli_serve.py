@@ -58,6 +58,13 @@ def _add_serve_parser(sub: Any) -> None:
         "--max-queue", type=NON_NEGATIVE, default=64, help="requests waiting for a row before 429 (default 64)"
     )
     serve.add_argument(
+        "--stream-interval",
+        type=POSITIVE,
+        default=1,
+        help="tokens a streamed chunk after the first, which goes at once (default 1); more send fewer "
+        "HTTP events a token, for models whose step costs less than a chunk (SGLang's and vLLM's option)",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=POSITIVE,
         default=30,
@@ -83,7 +90,8 @@ def _add_bench_serve_parser(sub: Any) -> None:
         "The same requests (random prompts and answer lengths, seeded) go to `staticrt serve`, then to\n"
         "`transformers serve --continuous-batching` when transformers is installed, each its own process\n"
         "on a loopback port, and then run one at a time through Generator.generate (batch 1). Reports\n"
-        "output tokens/s, time to first token and inter-token latency (p50, p99), and the ratios.",
+        "output tokens/s, time to first token, the gaps between streamed chunks (ITL) and the time a\n"
+        "token after the first (TPOT), p50 and p99, and the ratios.",
     )
     bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder with tokenizer.json")
     bench.add_argument("--backend", default="compiled", help="eager | compiled (default) | cudagraph")
@@ -98,6 +106,12 @@ def _add_bench_serve_parser(sub: Any) -> None:
         "--duration", type=POSITIVE, default=600, help="seconds after which no request starts, per server (600)"
     )
     bench.add_argument("--seed", type=NON_NEGATIVE, default=0)
+    bench.add_argument(
+        "--stream-interval",
+        type=POSITIVE,
+        default=1,
+        help="staticrt serve's --stream-interval (default 1; transformers serve sends every token)",
+    )
     bench.add_argument(
         "--no-transformers", action="store_true", help="skip transformers serve (skipped anyway when not installed)"
     )

@@ -158,6 +158,7 @@ def test_bench_serve_sends_the_same_requests_to_every_contender():
         output_range=(4, 12),
         prefill_buckets=(16, 32),
         threads=1,
+        stream_interval=3,
     )
     report = run_serve_bench(request)
     import numpy as np
@@ -174,6 +175,7 @@ def test_bench_serve_sends_the_same_requests_to_every_contender():
     }
     assert set(report["throughput_ratios"]) == {"staticrt_vs_transformers", "staticrt_vs_one_at_a_time"}
     assert report["settings"]["max_cache_len"] == 64 + 12  # the longest prompt in chunks of 32, and its answer
+    assert all(results[name]["tpot"]["p50_ms"] > 0 for name in ("staticrt", "transformers"))
 
 
 def test_the_load_generator_only_targets_loopback():

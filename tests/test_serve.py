@@ -183,6 +183,21 @@ def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(llam
         assert client(url).completions.create(model=MODEL, prompt=[1, 2], max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_stream_interval_sends_the_first_token_at_once_then_that_many_a_chunk(llama):
+    lone = generator(llama)
+    app, _ = serve_backend(generator(llama).backend, name=MODEL, stream_interval=4)
+    with running(app) as url:
+        body = dict(model=MODEL, prompt=[5, 6, 7], max_tokens=19, temperature=0)
+        chunks = [c.choices[0] for c in client(url).completions.create(**body, stream=True) if c.choices]
+        whole = client(url).completions.create(**body).choices[0].model_extra["token_ids"]
+    expected = lone.generate([[5, 6, 7]], 19, stop_token_ids=lone.backend.eos_token_ids)[0]
+    sizes = [len(c.model_extra["token_ids"]) for c in chunks if c.finish_reason is None]
+    rest = len(expected) - 1
+    assert rest >= 8  # several whole chunks
+    assert sizes == [1] + [4] * (rest // 4) + ([rest % 4] if rest % 4 else [])
+    assert [t for c in chunks for t in c.model_extra["token_ids"]] == expected == whole
+
+
 def _slow(backend, seconds: float, poison: int | None = None):
     """`backend` with each step taking at least `seconds`, and failing on a prompt holding `poison`."""
     step = backend.step

@@ -45,6 +45,7 @@ class ServeBenchRequest:
     duration_s: float = 600.0
     seed: int = 0
     transformers: bool = True
+    stream_interval: int = 1  # staticrt serve's tokens a chunk after the first (transformers serve: 1)
 
     @property
     def max_cache_len(self) -> int:
@@ -134,7 +135,7 @@ def staticrt_command(folder: Path, request: ServeBenchRequest) -> list[str]:
     command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", str(folder), "--backend", request.backend]
     command += ["--max-batch-size", str(request.max_batch_size), "--max-cache-len", str(request.max_cache_len)]
     command += ["--prefill-buckets", ",".join(map(str, request.prefill_buckets)), "--served-model-name", "bench"]
-    command += ["--max-queue", str(request.requests)]
+    command += ["--max-queue", str(request.requests), "--stream-interval", str(request.stream_interval)]
     return command + (["--threads", str(request.threads)] if request.threads else [])
 
 

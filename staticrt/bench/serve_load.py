@@ -5,7 +5,9 @@ reports (output tokens/s, time to first token and inter-token latency, p50 and p
 
 Any server that speaks OpenAI's streamed completions is measured the same way: a token chunk is
 one whose choice has no `finish_reason`; TTFT is the time to the first, ITL the gaps between the
-next ones; tokens are counted from `usage` (or the chunks, where a server sends none).
+next ones (between chunks, as vLLM's `bench serve` counts it, whatever a chunk holds), TPOT a
+request's time after its first token over the tokens after it; tokens are counted from `usage`
+(or the chunks' `token_ids`, else one a chunk, where a server sends none).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class Record:
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
+    last: float = 0.0  # the last token chunk's time
     error: str | None = None
 
 
@@ -87,12 +90,12 @@ async def _one(client: Any, url: str, model: str, request: LoadRequest) -> Recor
                         record.ttft = now - start
                     else:
                         record.gaps.append(now - last)
-                    last, chunks = now, chunks + 1
+                    last, chunks = now, chunks + len(choices[0].get("token_ids") or [0])
                 if "error" in chunk:
                     record.error = str(chunk["error"])[:200]
     except Exception as err:  # a failed request is a result too, reported with the rest
         record.error = f"{type(err).__name__}: {err}"
-    record.tokens = record.tokens or chunks
+    record.tokens, record.last = record.tokens or chunks, last - start
     return record
 
 
@@ -143,4 +146,5 @@ def summary(records: list[Record], wall_s: float, sent_of: int) -> dict[str, Any
         "output_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
         "ttft": percentiles([r.ttft for r in done if r.ttft is not None]),
         "itl": percentiles([g for r in done for g in r.gaps]),
+        "tpot": percentiles([(r.last - r.ttft) / (r.tokens - 1) for r in done if r.ttft is not None and r.tokens > 1]),
     }

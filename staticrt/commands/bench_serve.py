@@ -28,6 +28,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         duration_s=float(args.duration),
         seed=args.seed,
         transformers=transformers,
+        stream_interval=args.stream_interval,
     )
     with progress("bench-serve") as update:
         report = run_serve_bench(request, on_stage=update)
@@ -49,25 +50,15 @@ def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
         if "error" in r:
             console.print(f"[red]{name}: {r['error']}[/]", soft_wrap=True)
             continue
-        ttft, itl = r.get("ttft"), r.get("itl")
         done = f"{r['requests'] - r.get('failed', 0)}/{r['requests']}"
-        rows.append(
-            [
-                name,
-                done,
-                r["output_tokens"],
-                r["output_tokens_per_s"],
-                _ms(ttft, "p50_ms"),
-                _ms(ttft, "p99_ms"),
-                _ms(itl, "p50_ms"),
-                _ms(itl, "p99_ms"),
-            ]
-        )
+        latencies = [_ms(r.get(key), p) for key in ("ttft", "itl", "tpot") for p in ("p50_ms", "p99_ms")]
+        rows.append([name, done, r["output_tokens"], r["output_tokens_per_s"], *latencies])
     title = (
         f"{request.model} ({request.backend}), {request.max_batch_size} rows, {request.concurrency} clients, "
-        f"{report['machine']['torch_threads']} threads"
+        f"{report['machine']['torch_threads']} threads, {request.stream_interval} token(s) a chunk"
     )
-    columns = ["contender", "done", "tokens", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    columns = ["contender", "done", "tokens", "tok/s"]
+    columns += [f"{key} {p} ms" for key in ("TTFT", "ITL", "TPOT") for p in ("p50", "p99")]
     show_table(title, columns, rows, fmt)
     for name, r in report["results"].items():
         for error in r.get("errors", []):

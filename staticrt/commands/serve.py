@@ -29,6 +29,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         args.max_queue,
         args.api_key or os.environ.get(API_KEY_ENV) or None,
         prefiller,
+        args.stream_interval,
     )
 
 

@@ -24,10 +24,12 @@ def serve_backend(
     max_queue: int = 64,
     api_key: str | None = None,
     prefiller: Any = None,
+    stream_interval: int = 1,
 ) -> tuple[Any, Any]:
     """The app serving `backend` (a Generator's `.backend`) as model `name`, and its scheduler.
     `prefiller`: a batch-1 backend over the same model and cache layout (a model backend's, built
     like `backend`), which prefills each prompt alone; without it prompts prefill in `backend`.
+    `stream_interval`: tokens a streamed chunk after the first (fewer HTTP events a token).
     Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
     so that no request waits for a compile and no compile stalls the rows being served."""
     try:
@@ -47,7 +49,7 @@ def serve_backend(
             prefiller.prepare(prefiller.buckets, do_sample, continuing=True)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
     scheduler = Scheduler(backend, tokenizer, max_queue=max_queue, prefiller=prefiller)
-    return create_app(scheduler, limits, api_key=api_key), scheduler
+    return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
 
 
 def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, log_level: str = "info") -> None:

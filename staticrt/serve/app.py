@@ -33,8 +33,15 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
 
 
-def create_app(scheduler: Scheduler, limits: Limits, api_key: str | None = None, max_body: int = MAX_BODY) -> FastAPI:
-    """An app serving `scheduler`; its lifespan starts the scheduler and stops it."""
+def create_app(
+    scheduler: Scheduler,
+    limits: Limits,
+    api_key: str | None = None,
+    max_body: int = MAX_BODY,
+    stream_interval: int = 1,
+) -> FastAPI:
+    """An app serving `scheduler`; its lifespan starts the scheduler and stops it. A streamed
+    answer sends its first token at once, then `stream_interval` tokens a chunk."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -73,16 +80,18 @@ def create_app(scheduler: Scheduler, limits: Limits, api_key: str | None = None,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _complete(request, scheduler, limits, max_body, chat=False)
+        return await _complete(request, scheduler, limits, max_body, stream_interval, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _complete(request, scheduler, limits, max_body, chat=True)
+        return await _complete(request, scheduler, limits, max_body, stream_interval, chat=True)
 
     return app
 
 
-async def _complete(request: Request, scheduler: Scheduler, limits: Limits, max_body: int, chat: bool) -> Response:
+async def _complete(
+    request: Request, scheduler: Scheduler, limits: Limits, max_body: int, stream_interval: int, chat: bool
+) -> Response:
     """Check the body, queue its job, and answer whole or as a stream of events."""
     raw = await request.body()
     if len(raw) > max_body:
@@ -98,9 +107,11 @@ async def _complete(request: Request, scheduler: Scheduler, limits: Limits, max_
     try:
         tokenizer = scheduler.tokenizer
         prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, limits.vocab_size)
+        interval = stream_interval if body.get("stream") else 0  # a whole answer: one event at its end
         job = scheduler.submit(
             completion_request(body, prompt, limits, chat),
             lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
+            interval,
         )
     except BadRequest as err:
         return _error(400, str(err), err.param)
@@ -136,7 +147,7 @@ async def _whole(events: asyncio.Queue[Event], reply: Reply) -> Response:
             return _error(event.status, event.message)
         if event.kind == "token":
             text.append(event.text)
-            tokens.append(event.token)
+            tokens.extend(event.tokens)
         else:
             return JSONResponse(reply.whole("".join(text), tokens, event.finish_reason, event.usage))
 
@@ -153,7 +164,7 @@ async def _stream(job: Any, events: asyncio.Queue[Event], reply: Reply, include_
         while True:
             event = await events.get()
             if event.kind == "token":
-                yield sse(reply.chunk(event.text, [event.token]))
+                yield sse(reply.chunk(event.text, event.tokens))
             elif event.kind == "error":
                 yield sse(error_body(event.message, "server_error"))
                 break

@@ -51,10 +51,11 @@ def check_request(backend: Any, tokenizer: Any, request: Completion) -> None:
 
 @dataclass
 class Event:
-    """What a job tells its client: `token` (with the text it completes), `done`, or `error`."""
+    """What a job tells its client: `token` (one or more tokens, with the text they complete),
+    `done`, or `error`."""
 
     kind: str
-    token: int | None = None
+    tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length", with `done`
     usage: dict[str, int] | None = None
@@ -69,6 +70,7 @@ class Job:
     request: Completion
     emit: Callable[[Event], None]
     order: int
+    interval: int = 1  # tokens an event: the first goes at once, then every `interval`; 0: only the last
     row: int | None = None
     fed: int = 0  # prompt tokens in the cache
     tokens: list[int] = field(default_factory=list)
@@ -77,6 +79,8 @@ class Job:
     stream: Any = None  # a TextStream when stop strings are asked for, or text is wanted
     text: str = ""  # text produced, held back where it may be the start of a stop string
     sent: int = 0  # characters of `text` already emitted
+    unsent: list[int] = field(default_factory=list)  # tokens chosen but not yet in an event
+    unsent_text: str = ""
     created_at: float = field(default_factory=time.perf_counter)
     last_at: float = 0.0
 
@@ -113,6 +117,19 @@ class Job:
             visible = len(self.text)
         start, self.sent = self.sent, max(visible, self.sent)
         return self.text[start : self.sent], reason
+
+    def due(self, token: int, text: str, last: bool) -> Event | None:
+        """The `token` event to send now, holding `token` and the ones before it not yet sent, or
+        None while fewer than `interval` wait: fewer events a token, for servers whose HTTP costs
+        more than a step (as SGLang's and vLLM's `--stream-interval`)."""
+        self.unsent.append(token)
+        self.unsent_text += text
+        first = len(self.tokens) == 1 and self.interval > 0
+        if not (last or first or (self.interval and len(self.unsent) >= self.interval)):
+            return None
+        event = Event("token", tokens=self.unsent, text=self.unsent_text)
+        self.unsent, self.unsent_text = [], ""
+        return event
 
     @property
     def usage(self) -> dict[str, int]:

@@ -75,8 +75,9 @@ class Scheduler:
         self.driven = False  # stepping in a caller's thread (`run`) rather than in `thread`
 
     # -- the client side ---------------------------------------------------------------------
-    def submit(self, request: Completion, emit: Callable[[Event], None]) -> Job:
-        """Queue `request` (checked first: GenerationError names what is wrong with it)."""
+    def submit(self, request: Completion, emit: Callable[[Event], None], interval: int = 1) -> Job:
+        """Queue `request` (checked first: GenerationError names what is wrong with it); its
+        tokens go to `emit` `interval` at a time (the first at once; 0: all with the last)."""
         check_request(self.backend, self.tokenizer, request)
         with self.cond:
             if not self.admitting:
@@ -86,7 +87,8 @@ class Scheduler:
                     f"all {len(self.rows)} rows are busy and {len(self.waiting)} requests wait (--max-queue "
                     f"{self.max_queue}); retry shortly"
                 )
-            job = Job(request, emit, next(self.counter), rng=np.random.default_rng(request.sampling.seed))
+            rng = np.random.default_rng(request.sampling.seed)
+            job = Job(request, emit, next(self.counter), interval=interval, rng=rng)
             if self.tokenizer is not None:
                 job.stream = self.tokenizer.stream()
             self.waiting.append(job)
@@ -269,7 +271,9 @@ class Scheduler:
     def _deliver(self, job: Job, token: int) -> None:
         """Send the token and the text it completes; finish the job on a stop id, a stop string or its length."""
         text, reason = job.accept(token)
-        job.emit(Event("token", token=token, text=text))
+        event = job.due(token, text, last=reason is not None)
+        if event is not None:
+            job.emit(event)
         if reason is not None:
             self._finish(job, Event("done", finish_reason=reason, usage=job.usage))
 
