@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,21 @@ FORMAT_FIELDS: dict[str, dict[str, tuple[type | None, ...]]] = {
 def program_name(seq_len: int) -> str:
     """The name of the program that runs a step of `seq_len` tokens a row: `decode` or `prefill_N`."""
     return "decode" if seq_len == 1 else f"prefill_{seq_len}"
+
+
+AOTI_WEIGHTS_CONFIG = "data/aotinductor/model/weights_config.json"  # in an AOTInductor package
+
+
+def aoti_package_weights(archive: zipfile.ZipFile) -> tuple[str | None, dict[str, tuple[str, list, list, int]]]:
+    """The weights an AOTInductor package holds (torch's `pickle_weights` layout): the entry of
+    its weights_config.json (None without one), and each weight's name -> (its archive entry,
+    shape, stride, storage offset)."""
+    found = [name for name in archive.namelist() if name.endswith("/" + AOTI_WEIGHTS_CONFIG)]
+    if not found:
+        return None, {}
+    root = found[0][: -len(AOTI_WEIGHTS_CONFIG)]
+    config = json.loads(archive.read(found[0]))
+    return found[0], {name: (f"{root}data/weights/{file}", *layout) for name, (file, *layout) in config.items()}
 
 
 def sha256(path: Path) -> str:

@@ -144,8 +144,6 @@ def test_quantize_refuses_what_it_cannot_run_before_changing_anything(tmp_path):
     )
     with pytest.raises(ArtifactError, match=r"^quantize='int8' with format\(s\) pt2: the torch formats export the"):
         export_artifact(model, CacheSpec("static", 1, 16), [16], tmp_path / "a", ["pt2"], quantize=QuantSpec(8))
-    with pytest.raises(ArtifactError, match=r"^exporting int4-g32 weights to aoti is not supported yet: AOTInductor"):
-        export_artifact(model, CacheSpec("static", 1, 16), [16], tmp_path / "a", ["aoti"], quantize=QuantSpec(4, 32))
     with pytest.raises(ArtifactError, match=r"loaded with quantize='int8'; the ONNX exporter takes the float model"):
         export_artifact(
             staticrt.load_model("tiny-llama", quantize="int8"), CacheSpec("static", 1, 16), [16], tmp_path / "a"

@@ -6,17 +6,21 @@ plain tensors, stored once, run without torchao with the eager / compiled backen
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import onnx
 import pytest
+import torch
 from genai_runner import genai_greedy
 from onnx import numpy_helper
 
 import staticrt
+from staticrt.artifact import aoti_package_weights
 from staticrt.bench import run_bench
 from staticrt.cli import main
 from staticrt.runtime import load_artifact
@@ -97,8 +101,8 @@ def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torch
     """`export --quantize int8 --format pt2,aoti`: weights.safetensors holds the int8 data and scales
     (torchao's tensors unwrapped into plain ones), at most 1.1x the quantized model's bytes; the pt2
     programs give the eager backend's tokens (the same dequantizing matmul), the AOTInductor packages
-    the compiled backend's (the same fused int8 kernel), in a process where torchao cannot load.
-    int4 exports to pt2 (eager's tokens); to aoti it is refused (see the refusals test)."""
+    the compiled backend's (the same fused int8 / int4 kernel), in a process where torchao cannot load.
+    The int4 packages hold the one constant inductor adds a matmul (its group size), nothing more."""
     pytest.importorskip("torchao", reason="quantization needs torchao: install the test extra")
     from safetensors import safe_open
 
@@ -106,11 +110,11 @@ def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torch
 
     prompt, argv = [5, 17, 99, 3, 250], ["export", "--model", "tiny-llama", "--max-cache-len", "64"]
     tokens = {}
-    for quantize, formats in (("int8", "pt2,aoti"), ("int4", "pt2")):
+    for quantize, formats in (("int8", "pt2,aoti"), ("int4", "pt2,aoti")):
         out = tmp_path / quantize
         assert main([*argv, "--quantize", quantize, "--format", formats, "--out", str(out)]) == 0
         model = staticrt.load_model("tiny-llama", quantize=quantize)
-        for backend in ("eager", "compiled") if quantize == "int8" else ("eager",):
+        for backend in ("eager", "compiled"):
             gen = staticrt.Generator(model, max_cache_len=64, backend=backend)
             tokens[quantize, backend] = gen.generate([prompt], max_new_tokens=24)[0]
         manifest = json.loads((out / "manifest.json").read_text())
@@ -125,10 +129,14 @@ def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torch
     script = (
         "import sys, json; sys.modules['torchao'] = None\n"
         "from staticrt.runtime import load_artifact\n"
-        "runs = [('int8', 'pt2'), ('int8', 'aoti'), ('int4', 'pt2')]\n"
+        "runs = [('int8', 'pt2'), ('int8', 'aoti'), ('int4', 'pt2'), ('int4', 'aoti')]\n"
         f"print(json.dumps([load_artifact('{tmp_path}/' + q, backend=b).generate([{prompt}], 24)[0] for q, b in runs]))"
     )
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    int8_pt2, int8_aoti, int4_pt2 = json.loads(ran.stdout.strip().splitlines()[-1])
+    int8_pt2, int8_aoti, int4_pt2, int4_aoti = json.loads(ran.stdout.strip().splitlines()[-1])
     assert int8_pt2 == tokens["int8", "eager"] and int8_aoti == tokens["int8", "compiled"]
-    assert int4_pt2 == tokens["int4", "eager"]
+    assert int4_pt2 == tokens["int4", "eager"] and int4_aoti == tokens["int4", "compiled"]
+    with zipfile.ZipFile(tmp_path / "int4" / "aoti" / "decode.pt2") as package:
+        held = aoti_package_weights(package)[1]
+        values = {torch.load(io.BytesIO(package.read(where[0]))).item() for where in held.values()}
+    assert len(held) == 8 and values == {32}  # 2 layers x 4 int4 matmuls, each its group size

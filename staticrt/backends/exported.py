@@ -8,6 +8,7 @@ buffers allocated here once), so prefill fills the cache that decode reads, in p
 
 from __future__ import annotations
 
+import io
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifact import REEXPORT, program_name
+from ..artifact import REEXPORT, aoti_package_weights, program_name
 from ..dtypes import recorded_dtype
 from ..errors import ArtifactError, check_positions
 from ..generate import SamplingParams
@@ -62,13 +63,22 @@ def _aoti_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
             raise ArtifactError(f"{path} holds {len(libraries)} compiled models, expected 1; re-export the artifact")
         # dlopen maps the library; the extracted file may go once it is loaded.
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(archive.extract(libraries[0], scratch), 1)
+        own = {name: _held_weight(archive, *where) for name, where in aoti_package_weights(archive)[1].items()}
     names = runner.get_constant_names_to_original_fqns()  # runner's constant name -> program fqn
-    missing = [fqn for fqn in names.values() if fqn not in constants]
+    missing = [fqn for fqn in names.values() if fqn not in constants and fqn not in own]
     if missing:
         raise ArtifactError(f"{path} needs constants {missing[:3]} that manifest.json does not list; re-export")
     # user_managed: the runner keeps these very tensors (no copy), shared with every other program.
-    runner.update_constant_buffer({name: constants[fqn] for name, fqn in names.items()}, False, True, True)
+    supplied = {name: constants[fqn] if fqn in constants else own[fqn] for name, fqn in names.items()}
+    runner.update_constant_buffer(supplied, False, True, True)
     return lambda *inputs: runner.run(list(inputs))[0]
+
+
+def _held_weight(archive: zipfile.ZipFile, entry: str, shape: list, stride: list, offset: int) -> torch.Tensor:
+    """A weight the AOTInductor package holds itself (torch.save'd; `keep_own_weights` says which)."""
+    with archive.open(entry) as stored:
+        whole = torch.load(io.BytesIO(stored.read()), weights_only=True)
+    return whole.as_strided(shape, stride, offset)
 
 
 def with_constants(

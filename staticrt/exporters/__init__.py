@@ -90,15 +90,8 @@ def export_artifact(
 def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
     """Refuse quantized weights in the torch formats beside the ONNX graph: the torch programs run
     torchao's weights in bfloat16, the ONNX graph ONNX Runtime's quantization of the float32 weights
-    (onnx_quantize.py), so they are two models and go to two artifacts. Refuse int4 in AOTInductor,
-    whose constant folding makes packed copies of the weights outside the weights file."""
+    (onnx_quantize.py), so they are two models and go to two artifacts."""
     torch_formats = [f for f in formats if f != "onnx"]
-    if quantize is not None and quantize.startswith("int4") and "aoti" in formats:
-        raise ArtifactError(
-            f"exporting {quantize} weights to aoti is not supported yet: AOTInductor folds the packed int4 weights "
-            "into constants of its own, which the artifact's one weights file cannot share; export them to pt2 "
-            "(--format pt2) or onnx (--format onnx), or export int8 weights to aoti"
-        )
     if quantize is not None and torch_formats and "onnx" in formats:
         raise ArtifactError(
             f"exporting {quantize} weights to {', '.join(torch_formats)} and onnx in one artifact is not supported: "

@@ -18,10 +18,11 @@ Both are zip archives torch reads, stored deflated (`deflate`).
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..artifact import program_name
+from ..artifact import aoti_package_weights, program_name
 from ..caches import KVCache
 from ..dtypes import dtype_name
 from ..model import Decoder
@@ -118,17 +119,49 @@ def hollow_state(programs: dict[str, torch.export.ExportedProgram]) -> Iterator[
             ep.state_dict.update(saved[name])
 
 
-def deflate(archive: Path) -> None:
-    """Rewrite the zip `archive` with its entries deflated, in place. torch writes a program's
-    archive stored (uncompressed); its graph JSON then deflates 20x and an AOTInductor package
-    (library and sources) 4x, which keeps the programs of a 30-layer model from adding a tenth to the
-    artifact's bytes (docs/measurements.md). torch.export.load and our AOTInductor loader read
-    deflated entries as they read stored ones."""
+def deflate(archive: Path, drop: Collection[str] = (), replace: Mapping[str, bytes] | None = None) -> None:
+    """Rewrite the zip `archive` with its entries deflated, in place, without the entries `drop`
+    and with `replace`'s bytes for its entries. torch writes a program's archive stored
+    (uncompressed); its graph JSON then deflates 20x and an AOTInductor package (library and
+    sources) 4x, which keeps the programs of a 30-layer model from adding a tenth to the artifact's
+    bytes (docs/measurements.md). torch.export.load and our AOTInductor loader read deflated
+    entries as they read stored ones."""
+    replace = replace or {}
     staging = archive.with_name(archive.name + ".deflating")
     with zipfile.ZipFile(archive) as source, zipfile.ZipFile(staging, "w", zipfile.ZIP_DEFLATED) as target:
         for entry in source.infolist():
-            target.writestr(entry, source.read(entry), compress_type=zipfile.ZIP_DEFLATED)
+            if entry.filename not in drop:
+                data = replace[entry.filename] if entry.filename in replace else source.read(entry)
+                target.writestr(entry, data, compress_type=zipfile.ZIP_DEFLATED)
     os.replace(staging, archive)
+
+
+# AOTInductor writes every weight into its package (torch's `pickle_weights`), and `keep_own_weights`
+# takes out the ones weights.safetensors holds: what stays is what inductor made while lowering
+# (the int4 kernel's group size, a 0-d int64 constant a matmul), which no weights file has.
+AOTI_OPTIONS = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+}
+
+
+def compile_package(program: torch.export.ExportedProgram, package: Path) -> None:
+    from torch._inductor import aoti_compile_and_package
+
+    with warnings.catch_warnings():  # torch's own: its pickling of a LeafSpec
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
+        aoti_compile_and_package(program, package_path=str(package), inductor_configs=AOTI_OPTIONS)
+
+
+def keep_own_weights(package: Path, shared: Collection[str]) -> None:
+    """Deflate the AOTInductor `package`, keeping only the weights it holds whose names are not
+    in `shared` (the artifact's constants, which every program reads from weights.safetensors)."""
+    with zipfile.ZipFile(package) as archive:
+        config, held = aoti_package_weights(archive)
+    own = {name: where for name, where in held.items() if name not in shared}
+    drop = {where[0] for where in held.values()} - {where[0] for where in own.values()}
+    listed = {name: [where[0].rsplit("/", 1)[1], *where[1:]] for name, where in own.items()}
+    deflate(package, drop, {config: json.dumps(listed).encode()} if config else None)
 
 
 def write_torch(
@@ -137,7 +170,6 @@ def write_torch(
     """Write the `formats` ("aoti", "pt2") of `step`'s programs and weights.safetensors into
     `folder`; return their manifest fields."""
     from safetensors.torch import save_file
-    from torch._inductor import aoti_compile_and_package
 
     constants = program_constants(step)
     batch = step.cache.spec.max_batch_size
@@ -156,17 +188,9 @@ def write_torch(
         (folder / "aoti").mkdir()
         for name, ep in programs.items():
             # Weights stay out of the package: weights.safetensors holds them once for every program.
-            package = str(folder / "aoti" / f"{name}.pt2")
-            timed(
-                f"lower and compile {name} (AOTInductor)",
-                partial(
-                    aoti_compile_and_package,
-                    ep,
-                    package_path=package,
-                    inductor_configs={"aot_inductor.package_constants_in_so": False},
-                ),
-            )
-            deflate(Path(package))
+            package = folder / "aoti" / f"{name}.pt2"
+            timed(f"lower and compile {name} (AOTInductor)", partial(compile_package, ep, package))
+            keep_own_weights(package, constants)
     weights = {k: v.contiguous() for k, v in constants.items() if k.startswith("model.")}
     timed("write weights", lambda: save_file(weights, str(folder / WEIGHTS)))
     return {
