@@ -24,8 +24,12 @@ from ..host_sampling import choose
 from .artifact_base import ArtifactBackend
 
 
-def _session(path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool) -> Any:
-    """An InferenceSession, or an ArtifactError that names the graph, its opset and the installed onnxruntime."""
+def _session(
+    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, dtype: str
+) -> Any:
+    """An InferenceSession, or an ArtifactError that names the graph, its opset and the installed
+    onnxruntime, and the way out: ONNX Runtime's CPU provider has no bfloat16 kernels for most
+    operators (a bfloat16 graph loads on CUDA only)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -38,10 +42,16 @@ def _session(path: Path, section: dict[str, Any], threads: int | None, device: s
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types, by status
         reason = first_line(err)
+        way_out = (
+            f"install an onnxruntime-gpu that runs opset {section['opset']} or re-export the artifact with this "
+            "staticrt"
+            if dtype != "bfloat16" or device != "cpu"
+            else "ONNX Runtime's CPU provider has no bfloat16 kernels for it: run it where a CUDA GPU is (the onnx "
+            "backend takes it when present), or re-export with --dtype float32 or float16 for the CPU"
+        )
         raise ArtifactError(
             f"{path}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
-            f"{section['ir_version']}): {reason}; install an onnxruntime-gpu that runs opset {section['opset']} or "
-            "re-export the artifact with this staticrt"
+            f"{section['ir_version']}, {dtype}): {reason}; {way_out}"
         ) from None
 
 
@@ -70,7 +80,7 @@ class OnnxBackend(ArtifactBackend):
             raise ArtifactError(f"device {device!r} is unknown to the onnx backend; use cpu or cuda")
         # A CUDA graph needs one decode shape; an all-rotating cache's mask grows, so it runs without.
         graphs = device == "cuda" and manifest["cache"]["max_sequence_len"] is not None
-        self.session = _session(folder / section["graph"], section, threads, device, graphs)
+        self.session = _session(folder / section["graph"], section, threads, device, graphs, manifest["dtype"])
         self.device = device
         self._check_graph(folder / section["graph"], section)
         # The graph takes any prompt width; the loop's padding is stripped in `_step_inputs`.
@@ -85,8 +95,9 @@ class OnnxBackend(ArtifactBackend):
                 # One buffer as past and present: every step's write lands in it, in place.
                 self.binding.bind_ortvalue_input(spec["name"], value)
                 self.binding.bind_ortvalue_output(spec["name"].replace("past_key_values.", "present."), value)
+        logits_dtype = next(spec["dtype"] for spec in section["outputs"] if spec["name"] == "logits")
         self.logits = ort.OrtValue.ortvalue_from_shape_and_type(
-            [self.batch_size, 1, self.vocab_size], np.float32, device, 0
+            [self.batch_size, 1, self.vocab_size], np.dtype(logits_dtype), device, 0
         )
         self.binding.bind_ortvalue_output("logits", self.logits)  # [B, 1, V]
         self.mask = np.zeros((self.batch_size, self.max_sequence_len or 0), dtype=np.int64)  # [B, width]
