@@ -11,8 +11,9 @@ Files, beside manifest.json:
   weights.safetensors   every weight once, in the layout the programs were traced with
   pt2/NAME.pt2          torch.export programs without weights (format "pt2"), run by
                         `ExportedProgram.module()` once the loader has put the weights in
-  aoti/NAME.pt2         AOTInductor packages without weights inside (format "aoti"): they load with
-                        no model source and no compile
+  aoti/NAME.pt2         AOTInductor packages without the weights (format "aoti"; they hold only
+                        constants inductor made, `keep_own_weights`): they load with no model source
+                        and no compile
 Both are zip archives torch reads, stored deflated (`deflate`).
 """
 
@@ -146,6 +147,7 @@ AOTI_OPTIONS = {
 
 
 def compile_package(program: torch.export.ExportedProgram, package: Path) -> None:
+    """AOTInductor's package of `program`, every constant in it (AOTI_OPTIONS) until `keep_own_weights`."""
     from torch._inductor import aoti_compile_and_package
 
     with warnings.catch_warnings():  # torch's own: its pickling of a LeafSpec
