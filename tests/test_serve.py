@@ -198,6 +198,37 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_that_many_a_chunk(
     assert [t for c in chunks for t in c.model_extra["token_ids"]] == expected == whole
 
 
+def test_a_stop_string_is_held_back_then_cut_whatever_the_stream_interval():
+    """Text that may begin a stop string waits; the stop string and what follows never reach the
+    client; with an interval, the same tokens and text arrive in fewer events."""
+    from staticrt.serve.job import Completion, Job
+
+    pieces = ["a", "b", "ST", "OP", "x"]
+
+    class Pieces:  # a TextStream whose token t reads as pieces[t]
+        def push(self, token: int) -> str:
+            return pieces[token]
+
+        def flush(self) -> str:
+            return ""
+
+    def events(interval: int) -> list[tuple[str, list[int]]]:
+        job = Job(Completion([1], 10, stop=("STOP",)), lambda _: None, 0, interval=interval, stream=Pieces())
+        sent = []
+        for token in (0, 2, 3, 4):
+            visible, reason = job.accept(token)
+            event = job.due(visible, last=reason is not None)
+            sent += [(event.text, event.tokens)] if event is not None else []
+            if reason is not None:
+                assert (reason, job.text) == ("stop", "a")
+                return sent
+        raise AssertionError("the stop string did not stop the job")
+
+    assert events(1) == [("a", [0]), ("", [2]), ("", [3])]  # "ST" held back, then cut with "OP"
+    assert events(2) == [("a", [0]), ("", [2, 3])]
+    assert events(0) == [("a", [0, 2, 3])]
+
+
 def _slow(backend, seconds: float, poison: int | None = None):
     """`backend` with each step taking at least `seconds`, and failing on a prompt holding `poison`."""
     step = backend.step

@@ -79,8 +79,7 @@ class Job:
     stream: Any = None  # a TextStream when stop strings are asked for, or text is wanted
     text: str = ""  # text produced, held back where it may be the start of a stop string
     sent: int = 0  # characters of `text` already emitted
-    unsent: list[int] = field(default_factory=list)  # tokens chosen but not yet in an event
-    unsent_text: str = ""
+    tokens_sent: int = 0  # of `tokens`, those already emitted
     created_at: float = field(default_factory=time.perf_counter)
     last_at: float = 0.0
 
@@ -93,10 +92,10 @@ class Job:
         """Free the row at the next step (a client that went away)."""
         self.cancelled = True
 
-    def accept(self, token: int) -> tuple[str, str | None]:
-        """Take the chosen `token`: the text it lets the client see now (text that may be the
-        start of a stop string is held back) and why the job ends, if it does ("stop" on a stop
-        id or string, "length" at max_tokens)."""
+    def accept(self, token: int) -> tuple[int, str | None]:
+        """Take the chosen `token`: how many characters of `text` the client may see now (text
+        that may be the start of a stop string is held back) and why the job ends, if it does
+        ("stop" on a stop id or string, "length" at max_tokens)."""
         request = self.request
         self.tokens.append(token)
         self.text += self.stream.push(token) if self.stream is not None else ""
@@ -115,20 +114,20 @@ class Job:
             if cut < 0 and self.stream is not None:
                 self.text += self.stream.flush()
             visible = len(self.text)
-        start, self.sent = self.sent, max(visible, self.sent)
-        return self.text[start : self.sent], reason
+        return visible, reason
 
-    def due(self, token: int, text: str, last: bool) -> Event | None:
-        """The `token` event to send now, holding `token` and the ones before it not yet sent, or
-        None while fewer than `interval` wait: fewer events a token, for servers whose HTTP costs
-        more than a step (as SGLang's and vLLM's `--stream-interval`)."""
-        self.unsent.append(token)
-        self.unsent_text += text
+    def due(self, visible: int, last: bool) -> Event | None:
+        """The `token` event to send now, holding the tokens not yet sent and the text they let
+        the client see (`visible` characters, `accept`'s), or None while fewer than `interval`
+        wait: fewer events a token, for servers whose HTTP costs more than a step (as SGLang's and
+        vLLM's `--stream-interval`). The first token goes at once; `interval` 0 sends only the last."""
+        waiting = len(self.tokens) - self.tokens_sent
         first = len(self.tokens) == 1 and self.interval > 0
-        if not (last or first or (self.interval and len(self.unsent) >= self.interval)):
+        if not (last or first or (self.interval and waiting >= self.interval)):
             return None
-        event = Event("token", tokens=self.unsent, text=self.unsent_text)
-        self.unsent, self.unsent_text = [], ""
+        start, self.sent = self.sent, max(visible, self.sent)
+        event = Event("token", tokens=self.tokens[self.tokens_sent :], text=self.text[start : self.sent])
+        self.tokens_sent = len(self.tokens)
         return event
 
     @property

@@ -270,8 +270,8 @@ class Scheduler:
 
     def _deliver(self, job: Job, token: int) -> None:
         """Send the token and the text it completes; finish the job on a stop id, a stop string or its length."""
-        text, reason = job.accept(token)
-        event = job.due(token, text, last=reason is not None)
+        visible, reason = job.accept(token)
+        event = job.due(visible, last=reason is not None)
         if event is not None:
             job.emit(event)
         if reason is not None:
