@@ -47,7 +47,7 @@ class Tokenizer:
 
 
 class TextStream:
-    """Feed token ids one by one; get text pieces that are whole UTF-8 characters."""
+    """Feed token ids one or a few at a time; get text pieces that are whole UTF-8 characters."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -55,9 +55,9 @@ class TextStream:
         self.prefix = 0  # ids[prefix:read] were already shown; they give the next piece its context
         self.read = 0
 
-    def push(self, token: int) -> str:
-        """The text `token` completes ("" while a character is still incomplete)."""
-        self.ids.append(token)
+    def push(self, *tokens: int) -> str:
+        """The text `tokens` complete ("" while a character is still incomplete)."""
+        self.ids.extend(tokens)
         shown = self.tokenizer.decode(self.ids[self.prefix : self.read])
         text = self.tokenizer.decode(self.ids[self.prefix :])
         if len(text) <= len(shown) or text.endswith("\ufffd"):

@@ -138,6 +138,7 @@ def test_run_chat_answers_the_question(smollm2, capfd):
 
 @pytest.mark.parametrize("text", ["日本の首都は東京です。富士山は美しい。", "Party time 🎉👍🏽 café naïve — done ✅"])
 def test_streamed_pieces_are_whole_characters_and_join_to_the_text(smollm2, text):
+    """One token a push or three, every piece is whole characters, and together they are the text."""
     tokenizer = staticrt.load_model(smollm2).tokenizer
     ids = tokenizer.encode(text, add_special_tokens=False)
     stream = tokenizer.stream()
@@ -145,6 +146,9 @@ def test_streamed_pieces_are_whole_characters_and_join_to_the_text(smollm2, text
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert not any("\ufffd" in piece for piece in pieces)
     assert any(piece == "" for piece in pieces)  # a character split over tokens was held back
+    stream = tokenizer.stream()  # a few tokens a push, as `serve --stream-interval 3` reads them
+    threes = [stream.push(*ids[i : i + 3]) for i in range(0, len(ids), 3)] + [stream.flush()]
+    assert "".join(threes) == text and not any("\ufffd" in piece for piece in threes)
 
 
 def test_a_generated_japanese_answer_streams_as_valid_text(smollm2):

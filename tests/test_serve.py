@@ -200,14 +200,15 @@ def test_a_stream_interval_sends_the_first_token_at_once_then_that_many_a_chunk(
 
 def test_a_stop_string_is_held_back_then_cut_whatever_the_stream_interval():
     """Text that may begin a stop string waits; the stop string and what follows never reach the
-    client; with an interval, the same tokens and text arrive in fewer events."""
+    client; with an interval, the same tokens and text arrive in fewer events. Without stop
+    strings, text is read only for the events sent."""
     from staticrt.serve.job import Completion, Job
 
     pieces = ["a", "b", "ST", "OP", "x"]
 
     class Pieces:  # a TextStream whose token t reads as pieces[t]
-        def push(self, token: int) -> str:
-            return pieces[token]
+        def push(self, *tokens: int) -> str:
+            return "".join(pieces[t] for t in tokens)
 
         def flush(self) -> str:
             return ""
@@ -216,8 +217,8 @@ def test_a_stop_string_is_held_back_then_cut_whatever_the_stream_interval():
         job = Job(Completion([1], 10, stop=("STOP",)), lambda _: None, 0, interval=interval, stream=Pieces())
         sent = []
         for token in (0, 2, 3, 4):
-            visible, reason = job.accept(token)
-            event = job.due(visible, last=reason is not None)
+            reason = job.accept(token)
+            event = job.due(last=reason is not None)
             sent += [(event.text, event.tokens)] if event is not None else []
             if reason is not None:
                 assert (reason, job.text) == ("stop", "a")
@@ -227,6 +228,10 @@ def test_a_stop_string_is_held_back_then_cut_whatever_the_stream_interval():
     assert events(1) == [("a", [0]), ("", [2]), ("", [3])]  # "ST" held back, then cut with "OP"
     assert events(2) == [("a", [0]), ("", [2, 3])]
     assert events(0) == [("a", [0, 2, 3])]
+    # without stop strings the text is read when an event is due, the tokens since the last at once
+    job = Job(Completion([1], 5), lambda _: None, 0, interval=3, stream=Pieces())
+    sent = [job.due(last=job.accept(token) is not None) for token in (0, 1, 2, 3, 4)]
+    assert [(e.text, e.tokens) for e in sent if e is not None] == [("a", [0]), ("bSTOP", [1, 2, 3]), ("x", [4])]
 
 
 def _slow(backend, seconds: float, poison: int | None = None):

@@ -77,8 +77,10 @@ class Job:
     cancelled: bool = False
     rng: Any = None
     stream: Any = None  # a TextStream when stop strings are asked for, or text is wanted
-    text: str = ""  # text produced, held back where it may be the start of a stop string
-    sent: int = 0  # characters of `text` already emitted
+    text: str = ""  # text of `tokens[:tokens_read]`, cut before a stop string
+    text_final: bool = False  # no more text comes: the last token's read, or a stop string cut
+    sent: int = 0  # characters of `text` already emitted (the rest held back for stop strings)
+    tokens_read: int = 0  # of `tokens`, those in `text`
     tokens_sent: int = 0  # of `tokens`, those already emitted
     created_at: float = field(default_factory=time.perf_counter)
     last_at: float = 0.0
@@ -92,40 +94,45 @@ class Job:
         """Free the row at the next step (a client that went away)."""
         self.cancelled = True
 
-    def accept(self, token: int) -> tuple[int, str | None]:
-        """Take the chosen `token`: how many characters of `text` the client may see now (text
-        that may be the start of a stop string is held back) and why the job ends, if it does
-        ("stop" on a stop id or string, "length" at max_tokens)."""
+    def accept(self, token: int) -> str | None:
+        """Take the chosen `token`; why the job ends with it, if it does ("stop" on a stop id or
+        string, "length" at max_tokens). Text is read token by token only where a stop string may
+        end at this token; otherwise when an event is due (`due`), a few tokens at a time."""
         request = self.request
         self.tokens.append(token)
-        self.text += self.stream.push(token) if self.stream is not None else ""
         reason = "stop" if token in request.stop_token_ids else None
-        cut = min((i for i in (self.text.find(s) for s in request.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text, reason = self.text[:cut], "stop"
+        if request.stop and not self.text_final:
+            self._read()
+            cut = min((i for i in (self.text.find(s) for s in request.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.text, self.text_final, reason = self.text[:cut], True, "stop"
         if reason is None and len(self.tokens) == request.max_tokens:
             reason = "length"
-        if reason is None:
-            hold = max(
-                (n for s in request.stop for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])), default=0
-            )
-            visible = len(self.text) - hold
-        else:
-            if cut < 0 and self.stream is not None:
-                self.text += self.stream.flush()
-            visible = len(self.text)
-        return visible, reason
+        return reason
 
-    def due(self, visible: int, last: bool) -> Event | None:
+    def _read(self, last: bool = False) -> None:
+        """Bring `text` up to the newest token (`last`: with the characters still held back)."""
+        if self.stream is None or self.text_final:
+            return
+        self.text += self.stream.push(*self.tokens[self.tokens_read :])
+        self.tokens_read = len(self.tokens)
+        if last:
+            self.text, self.text_final = self.text + self.stream.flush(), True
+
+    def due(self, last: bool) -> Event | None:
         """The `token` event to send now, holding the tokens not yet sent and the text they let
-        the client see (`visible` characters, `accept`'s), or None while fewer than `interval`
-        wait: fewer events a token, for servers whose HTTP costs more than a step (as SGLang's and
-        vLLM's `--stream-interval`). The first token goes at once; `interval` 0 sends only the last."""
+        the client see, or None while fewer than `interval` wait: fewer events a token, for
+        servers whose HTTP costs more than a step (as SGLang's and vLLM's `--stream-interval`).
+        The first token goes at once; `interval` 0 sends only the last. Text that may be the start
+        of a stop string is held back until the next token shows it is not."""
         waiting = len(self.tokens) - self.tokens_sent
         first = len(self.tokens) == 1 and self.interval > 0
         if not (last or first or (self.interval and waiting >= self.interval)):
             return None
-        start, self.sent = self.sent, max(visible, self.sent)
+        self._read(last)
+        stops = () if last else self.request.stop
+        hold = max((n for s in stops for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])), default=0)
+        start, self.sent = self.sent, max(len(self.text) - hold, self.sent)
         event = Event("token", tokens=self.tokens[self.tokens_sent :], text=self.text[start : self.sent])
         self.tokens_sent = len(self.tokens)
         return event

@@ -258,6 +258,7 @@ class Scheduler:
             if len(job.tokens) == 0:
                 job.fed += int(plan.num_new[plan.slot[job]])
         now = time.perf_counter()
+        self.metrics.tokens.inc(len(plan.finishing))
         for job in plan.finishing:
             token = int(next_ids[plan.slot[job]])
             if job.tokens:
@@ -265,13 +266,12 @@ class Scheduler:
             else:
                 self.metrics.first_token.observe(now - job.created_at)
             job.last_at = now
-            self.metrics.tokens.inc()
             self._deliver(job, token)
 
     def _deliver(self, job: Job, token: int) -> None:
         """Send the token and the text it completes; finish the job on a stop id, a stop string or its length."""
-        visible, reason = job.accept(token)
-        event = job.due(visible, last=reason is not None)
+        reason = job.accept(token)
+        event = job.due(last=reason is not None)
         if event is not None:
             job.emit(event)
         if reason is not None:
