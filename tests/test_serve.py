@@ -95,6 +95,28 @@ def test_staggered_requests_get_the_tokens_of_a_lone_generate(llama, backend):
     assert f"staticrt_generated_tokens_total {sum(map(len, expected))}.0" in metrics
 
 
+def test_a_prompt_longer_than_the_largest_bucket_is_prefilled_in_chunks(llama):
+    """60 tokens through the batch-1 prefiller: 48, then a bucket of 16 at position 48 (in 64
+    positions the one width a later chunk can take, so the one continuing graph prepared); the
+    tokens of a lone generate that prefills the prompt whole."""
+    prompt = list(range(3, 63))
+    lone = generator(llama, buckets=(16, 48, 64))
+    expected = lone.generate([prompt], 4, stop_token_ids=lone.backend.eos_token_ids)[0]
+    prefiller, asked = generator(llama, rows=1, buckets=(16, 48)).backend, []
+    prepare = prefiller.prepare
+
+    def recorded(widths, do_sample, continuing=False):
+        asked.append((tuple(widths), continuing))
+        return prepare(widths, do_sample, continuing)
+
+    prefiller.prepare = recorded
+    app, _ = serve_backend(generator(llama, buckets=(16, 48)).backend, name=MODEL, prefiller=prefiller)
+    with running(app) as url:
+        got = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert got.choices[0].model_extra["token_ids"] == expected
+    assert [widths for widths, continuing in asked if continuing] == [(16,), (16,)]  # greedy, sampling
+
+
 @pytest.fixture(scope="module")
 def artifact(hf_checkpoints, tmp_path_factory):
     """The llama checkpoint exported for serving: 4 rows of 64 positions, as pt2 programs and an ONNX graph."""

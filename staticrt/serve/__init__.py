@@ -46,10 +46,20 @@ def serve_backend(
             backend.prepare((*backend.buckets, 1), do_sample, continuing=True)
         else:
             backend.prepare((1,), do_sample)
-            prefiller.prepare(prefiller.buckets, do_sample, continuing=True)
+            prefiller.prepare(prefiller.buckets, do_sample)
+            prefiller.prepare(chunk_widths(prefiller), do_sample, continuing=True)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
     scheduler = Scheduler(backend, tokenizer, max_queue=max_queue, prefiller=prefiller)
     return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
+
+
+def chunk_widths(prefiller: Any) -> tuple[int, ...]:
+    """The buckets a prompt's later chunks can take in a batch-1 prefiller: a chunk after the
+    first starts at a multiple of the largest bucket, so only a bucket that fits after one does.
+    Where the largest bucket spans the context, no prompt is chunked and no continuing graph is
+    built (SmolLM2 served with 512 positions: 10 of 24 graphs, 139 of the 500 s start-up)."""
+    limit, largest = prefiller.max_sequence_len, prefiller.buckets[-1]
+    return tuple(w for w in prefiller.buckets if w > 1 and (limit is None or largest + w <= limit))
 
 
 def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, log_level: str = "info") -> None:
