@@ -59,7 +59,7 @@ def chunk_widths(prefiller: Any) -> tuple[int, ...]:
     Where the largest bucket spans the context, no prompt is chunked and no continuing graph is
     built (SmolLM2 served with 512 positions: 10 of 24 graphs, 139 of the 500 s start-up)."""
     limit, largest = prefiller.max_sequence_len, prefiller.buckets[-1]
-    return tuple(w for w in prefiller.buckets if w > 1 and (limit is None or largest + w <= limit))
+    return tuple(w for w in prefiller.buckets if limit is None or largest + w <= limit)
 
 
 def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, log_level: str = "info") -> None:
