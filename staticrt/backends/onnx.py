@@ -42,12 +42,13 @@ def _session(
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types, by status
         reason = first_line(err)
+        bfloat16_on_cpu = dtype == "bfloat16" and device == "cpu"
         way_out = (
-            f"install an onnxruntime-gpu that runs opset {section['opset']} or re-export the artifact with this "
-            "staticrt"
-            if dtype != "bfloat16" or device != "cpu"
-            else "ONNX Runtime's CPU provider has no bfloat16 kernels for it: run it where a CUDA GPU is (the onnx "
+            "ONNX Runtime's CPU provider has no bfloat16 kernels for it: run it where a CUDA GPU is (the onnx "
             "backend takes it when present), or re-export with --dtype float32 or float16 for the CPU"
+            if bfloat16_on_cpu
+            else f"install an onnxruntime-gpu that runs opset {section['opset']} or re-export the artifact with "
+            "this staticrt"
         )
         raise ArtifactError(
             f"{path}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
