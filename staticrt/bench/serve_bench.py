@@ -139,9 +139,18 @@ def staticrt_command(folder: Path, request: ServeBenchRequest) -> list[str]:
     return command + (["--threads", str(request.threads)] if request.threads else [])
 
 
-def transformers_command(folder: Path) -> list[str]:
+CB_BLOCK = 32  # transformers serve's paged-cache block, in tokens
+
+
+def transformers_command(folder: Path, request: ServeBenchRequest) -> list[str]:
+    """transformers serve with continuous batching, its paged cache holding every client's longest
+    request at once (`concurrency` x `max_cache_len` tokens, more than staticrt's rows). Left to size
+    itself it took most of the free memory, and zeroing that made the first request take 43 s
+    (tiny-llama, 2-core VM; the same 0.9-1.0k tok/s after)."""
     serve = "from transformers.cli.transformers import main; import sys; sys.argv[0] = 'transformers'; main()"
-    return [sys.executable, "-c", serve, "serve", str(folder), "--continuous-batching", "--device", "cpu"]
+    blocks = -(-request.concurrency * request.max_cache_len // CB_BLOCK)
+    command = [sys.executable, "-c", serve, "serve", str(folder), "--continuous-batching", "--device", "cpu"]
+    return command + ["--cb-block-size", str(CB_BLOCK), "--cb-num-blocks", str(blocks)]
 
 
 def one_at_a_time(folder: Path, request: ServeBenchRequest, load: list[LoadRequest]) -> dict[str, Any]:
@@ -190,7 +199,7 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
         if request.transformers:
             on_stage(f"transformers serve --continuous-batching ({len(load)} requests)")
             try:
-                results["transformers"] = _measure(transformers_command(folder), str(folder), request, load)
+                results["transformers"] = _measure(transformers_command(folder, request), str(folder), request, load)
             except GenerationError as err:
                 results["transformers"] = {"error": str(err)}
         on_stage(f"one request at a time through Generator.generate ({len(load)} requests)")
