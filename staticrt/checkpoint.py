@@ -26,6 +26,27 @@ from .rope import inverse_frequencies
 from .tokenizer import load_tokenizer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def checked_device(device: str | torch.device) -> torch.device:
+    """`device` as torch names it, refused with the way out before any weight is read: a CUDA device
+    torch cannot reach would otherwise fail deep inside `.to()`, after the checkpoint was read."""
+    try:
+        checked = torch.device(device)
+    except (RuntimeError, TypeError):
+        checked = None
+    if checked is None or checked.type not in DEVICE_TYPES:
+        raise ConfigError(f"device {str(device)!r} is not one staticrt runs on; pass cpu, cuda or cuda:N")
+    seen = torch.cuda.device_count() if checked.type == "cuda" else 0
+    if checked.type == "cuda" and (checked.index or 0) >= seen:
+        way_out = (
+            f"pass cuda:0 to cuda:{seen - 1}, or cpu"
+            if seen
+            else "pass cpu, or run on a machine with a GPU and torch's CUDA build (see the README)"
+        )
+        raise ConfigError(f"device {str(device)!r}: torch {torch.__version__} sees {seen} CUDA device(s); {way_out}")
+    return checked
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -153,7 +174,7 @@ def stored_quantization(path_or_preset: str | Path) -> QuantSpec | None:
 def load_model(
     path_or_preset: str | Path,
     dtype: torch.dtype | str | None = None,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     quantize: str | None = None,
 ) -> Decoder:
     """A preset name (`tiny-llama`, ...) or a Hugging Face checkpoint folder -> `Decoder` in
@@ -161,8 +182,9 @@ def load_model(
 
     `quantize` ("int8", "int4", "int4-g64", ...; see `staticrt.quantize`) stores the projections
     and head in fewer bytes with torchao; the model then computes in bfloat16 unless `dtype` says
-    float16. `dtype` defaults to float32 for a float model.
+    float16. `dtype` defaults to float32 for a float model. `device`: cpu, cuda or cuda:N.
     """
+    device = checked_device(device)
     spec = parse_quantize(quantize)
     config = load_config(path_or_preset)
     stored = stored_quantization(path_or_preset)

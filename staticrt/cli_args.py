@@ -101,6 +101,16 @@ def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
 
 
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """--device of a command that loads --model to run it."""
+    p.add_argument(
+        "--device",
+        default=None,
+        help="with --model: cpu | cuda | cuda:N, where the weights, the cache and every step live (default: "
+        "cuda for cudagraph and reduce-overhead when torch sees a GPU, else cpu)",
+    )
+
+
 def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
     """What `run` and `chat` take: a model or an artifact, the backend, sampling and stopping."""
     p.add_argument(
@@ -110,6 +120,7 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NE
         help="an artifact folder from `staticrt export` (instead of --model): runs its programs",
     )
     add_model_args(p, required=False)
+    add_device_arg(p)
     p.add_argument("--max-new-tokens", type=POSITIVE, default=max_new_tokens, help=f"(default {max_new_tokens})")
     p.add_argument(
         "--threads",

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .cli_args import NON_NEGATIVE, POSITIVE, add_format_arg, add_model_args, prompt_ids
+from .cli_args import NON_NEGATIVE, POSITIVE, add_device_arg, add_format_arg, add_model_args, prompt_ids
 
 
 def add_serve_parsers(sub: Any) -> None:
@@ -30,6 +30,7 @@ def _add_serve_parser(sub: Any) -> None:
     )
     serve.add_argument("artifact", nargs="?", type=Path, help="an artifact folder (instead of --model)")
     add_model_args(serve, required=False)
+    add_device_arg(serve)
     serve.add_argument(
         "--backend", default=None, help="as for run: eager (default) | compiled | cudagraph | aoti | pt2 | onnx"
     )
@@ -102,6 +103,12 @@ def _add_bench_serve_parser(sub: Any) -> None:
     bench.add_argument("--output-len", type=_length_range, default=(16, 96), help="MIN,MAX max_tokens (16,96)")
     bench.add_argument("--prefill-buckets", type=prompt_ids, default=(32, 64, 128), help="default 32,64,128")
     bench.add_argument("--threads", type=POSITIVE, default=None, help="CPU threads of every contender")
+    bench.add_argument(
+        "--device",
+        default=None,
+        help="cpu | cuda | cuda:N: every contender's model (default: cuda for --backend cudagraph when torch sees "
+        "a GPU, else cpu)",
+    )
     bench.add_argument(
         "--duration", type=POSITIVE, default=600, help="seconds after which no request starts, per server (600)"
     )

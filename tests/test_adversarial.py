@@ -393,6 +393,56 @@ def test_bad_cli_numbers_are_refused_in_one_line(flags, message, capsys):
     assert capsys.readouterr().err == f"staticrt run: error: {message}; see staticrt run --help\n"
 
 
+def _beyond_the_gpus() -> tuple[str, str]:
+    """A CUDA device index one past what torch sees (none on a CPU machine), and its way out."""
+    seen = torch.cuda.device_count()
+    way_out = (
+        f"pass cuda:0 to cuda:{seen - 1}, or cpu"
+        if seen
+        else "pass cpu, or run on a machine with a GPU and torch's CUDA build (see the README)"
+    )
+    return f"cuda:{seen}", f"torch {torch.__version__} sees {seen} CUDA device(s); {way_out}"
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "bench-serve", "bench"])
+def test_a_device_torch_cannot_reach_is_refused_before_the_model_loads(command, hf_checkpoints, capsys, monkeypatch):
+    import staticrt.checkpoint as loader
+
+    monkeypatch.setattr(loader, "_read_state_dict", lambda *_: pytest.fail("the checkpoint was read"))
+    device, why = _beyond_the_gpus()
+    flags = ["--prompt-ids", "1,2"] if command == "run" else []
+    assert main([command, "--model", str(hf_checkpoints["llama"][0]), "--device", device, *flags]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"staticrt {command}: device '{device}': {why}"
+    assert main(["run", "--model", "tiny-llama", "--device", "tpu", "--prompt-ids", "1,2"]) == 2
+    assert (
+        capsys.readouterr().err == "staticrt run: device 'tpu' is not one staticrt runs on; pass cpu, cuda or cuda:N\n"
+    )
+    with pytest.raises(ConfigError, match="^" + re.escape(f"device '{device}': {why}") + "$"):
+        staticrt.load_model("tiny-llama", device=device)
+
+
+def test_an_artifact_refuses_device_it_runs_where_it_was_built_for(artifact, capsys):
+    assert main(["run", str(artifact), "--device", "cpu", "--prompt-ids", "1,2"]) == 2
+    assert capsys.readouterr().err.replace("\n", "") == (
+        "staticrt run: an artifact runs where it was built for: pt2 and aoti programs on the device they were "
+        "exported on, onnx on CUDA where onnxruntime-gpu sees a GPU; drop --device"
+    )
+
+
+def test_the_cuda_graph_backends_load_the_model_on_a_gpu_when_there_is_one():
+    from staticrt.commands.session import model_device
+
+    gpu = "cuda" if torch.cuda.is_available() else "cpu"
+    assert [model_device(None, b) for b in ("cudagraph", "reduce-overhead", "compiled", "eager", None)] == [
+        gpu,
+        gpu,
+        "cpu",
+        "cpu",
+        "cpu",
+    ]
+    assert model_device("cpu", "cudagraph") == "cpu"
+
+
 # 11. the smaller ones
 
 

@@ -112,3 +112,20 @@ def test_cudagraph_beam_search_gives_the_eager_beams_in_captured_graphs(hf_check
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
     assert [b.data_ptr() for b in gen.backend.cache.buffers()] == addresses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_run_with_the_cudagraph_backend_loads_the_model_on_the_gpu(hf_checkpoints, capsys):
+    """`staticrt run --backend cudagraph` with no --device replays graphs on the GPU (it used to
+    run the compiled path on the CPU with a warning), and gives eager's tokens on the same device."""
+    import json
+
+    from staticrt.cli import main
+
+    command = ["run", "--model", str(hf_checkpoints["llama"][0]), "--prompt-ids", "5,17,3,99", "--json"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", cudagraph.CudaGraphWarning)
+        assert main([*command, "--max-new-tokens", "64", "--backend", "cudagraph"]) == 0
+    replayed = json.loads(capsys.readouterr().out)["tokens"]
+    assert main([*command, "--max-new-tokens", "64", "--backend", "eager", "--device", "cuda"]) == 0
+    assert replayed == json.loads(capsys.readouterr().out)["tokens"]

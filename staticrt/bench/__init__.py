@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_config, load_model
+from ..checkpoint import checked_device, load_config, load_model
 from ..dtypes import resolve_dtype
 from ..errors import BenchError
 from ..model import Decoder
@@ -45,7 +45,7 @@ def run_bench(
     request.check()
     if request.threads:
         torch.set_num_threads(request.threads)
-    device = request.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(checked_device(request.device or ("cuda" if torch.cuda.is_available() else "cpu")))
     dtype = resolve_dtype(request.dtype)
     vocab = load_config(model_name).vocab_size
     runs = plan_runs(request, bench_prompts(vocab, request.batch_size, request.prompt_len))
@@ -54,7 +54,7 @@ def run_bench(
         if run.gguf in GGUF_TYPES:  # refused before anything compiles
             check_writable(models[run.weights], run.gguf)
     probe = StreamProbe(dtype, torch.device(device))
-    copy_bps = copy_bytes_per_s(torch.device(device)) if device == "cuda" else None
+    copy_bps = copy_bytes_per_s(torch.device(device)) if device.startswith("cuda") else None
     contenders = warm_up(models, runs, request.new_tokens, on_stage)
     timings, bracket = timed_rounds(contenders, probe, request.repeats, on_stage)
     results = {

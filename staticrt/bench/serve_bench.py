@@ -46,6 +46,7 @@ class ServeBenchRequest:
     seed: int = 0
     transformers: bool = True
     stream_interval: int = 1  # staticrt serve's tokens a chunk after the first (transformers serve: 1)
+    device: str = "cpu"  # every contender's model: cpu, cuda or cuda:N
 
     @property
     def max_cache_len(self) -> int:
@@ -133,6 +134,7 @@ def _measure(command: list[str], model: str, request: ServeBenchRequest, load: l
 
 def staticrt_command(folder: Path, request: ServeBenchRequest) -> list[str]:
     command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", str(folder), "--backend", request.backend]
+    command += ["--device", request.device]
     command += ["--max-batch-size", str(request.max_batch_size), "--max-cache-len", str(request.max_cache_len)]
     command += ["--prefill-buckets", ",".join(map(str, request.prefill_buckets)), "--served-model-name", "bench"]
     command += ["--max-queue", str(request.requests), "--stream-interval", str(request.stream_interval)]
@@ -149,7 +151,7 @@ def transformers_command(folder: Path, request: ServeBenchRequest) -> list[str]:
     (tiny-llama, 2-core VM; the same 0.9-1.0k tok/s after)."""
     serve = "from transformers.cli.transformers import main; import sys; sys.argv[0] = 'transformers'; main()"
     blocks = -(-request.concurrency * request.max_cache_len // CB_BLOCK)
-    command = [sys.executable, "-c", serve, "serve", str(folder), "--continuous-batching", "--device", "cpu"]
+    command = [sys.executable, "-c", serve, "serve", str(folder), "--continuous-batching", "--device", request.device]
     return command + ["--cb-block-size", str(CB_BLOCK), "--cb-num-blocks", str(blocks)]
 
 
@@ -162,7 +164,7 @@ def one_at_a_time(folder: Path, request: ServeBenchRequest, load: list[LoadReque
 
     if request.threads:
         torch.set_num_threads(request.threads)
-    model = load_model(folder)
+    model = load_model(folder, device=request.device)
     longest = request.max_cache_len - request.output_range[1]  # a generate prefills in one step, unchunked
     gen = Generator(
         model,

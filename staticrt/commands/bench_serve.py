@@ -9,6 +9,7 @@ from typing import Any
 from ..bench import write_report
 from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
 from ..console import console, progress, show_table
+from .session import model_device
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -29,6 +30,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         transformers=transformers,
         stream_interval=args.stream_interval,
+        device=model_device(args.device, args.backend),
     )
     with progress("bench-serve") as update:
         report = run_serve_bench(request, on_stage=update)

@@ -37,6 +37,11 @@ def open_source(args: argparse.Namespace) -> Source:
 
         if args.model:
             raise GenerationError("give an artifact folder or --model, not both")
+        if args.device:
+            raise GenerationError(
+                "an artifact runs where it was built for: pt2 and aoti programs on the device they were exported "
+                "on, onnx on CUDA where onnxruntime-gpu sees a GPU; drop --device"
+            )
         if args.quantize not in (None, "none") or args.dtype:
             raise GenerationError(
                 "an artifact's weights and dtype were fixed when it was exported; drop --quantize/--dtype, or "
@@ -50,9 +55,26 @@ def open_source(args: argparse.Namespace) -> Source:
     from ..checkpoint import load_model
     from ..presets import PRESETS
 
-    model = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
+    device = model_device(args.device, args.backend)
+    model = load_model(args.model, dtype=args.dtype, device=device, quantize=args.quantize)
     defaults = GenerationDefaults() if args.model in PRESETS else read_generation_defaults(args.model)
     return Source(args.model, model, None, model.tokenizer, defaults)
+
+
+def model_device(device: str | None, backend: str | None) -> str:
+    """Where --model loads: --device when given, else CUDA for the backends that exist for it
+    (cudagraph, reduce-overhead) when torch sees a GPU, else the CPU, as from_pretrained does.
+    Without this, `--backend cudagraph` on a GPU machine ran the compiled path on the CPU."""
+    import torch
+
+    from ..checkpoint import checked_device
+    from ..runtime import BACKENDS
+
+    if device is not None:
+        return str(checked_device(device))
+
+    entry = BACKENDS.get(backend or "eager")
+    return "cuda" if entry is not None and entry.cuda_only and torch.cuda.is_available() else "cpu"
 
 
 def bind(source: Source, args: argparse.Namespace, rows: int, needed: int | None, prefill_buckets: Any = None) -> Any:
