@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# staticrt's GPU half, verified and measured on one CUDA machine, in stages of a few minutes each
+# (run each as its own command: a lent machine may limit a command's time):
+#
+#   bench/gpu.sh tests   OUT        the CUDA tests: every family and cache replayed in CUDA graphs,
+#                                   the offloaded cache's prefetch, ONNX Runtime on CUDA
+#   bench/gpu.sh suite   OUT        the whole suite with the GPU present
+#   bench/gpu.sh decode  OUT [B..]  bench-1b in bfloat16, batch B (default 1 and 8): cudagraph,
+#                                   reduce-overhead, compiled and transformers' compiled static cache
+#   bench/gpu.sh offload OUT        bench-1b at prompt 8192: OffloadedStatic against Static
+#   bench/gpu.sh onnx    OUT        bench-1b in float16: ONNX Runtime with its CUDA graph beside
+#                                   cudagraph (needs onnxruntime-gpu)
+#   bench/gpu.sh serve   OUT        bench-serve on bench-llama, cudagraph backend, against transformers
+#                                   serve and one request at a time
+#
+# OUT gets each stage's log, the tests' junit XML and the bench JSON, named for the GPU
+# (decode-bench-1b-b1-h100.json); the JSON belongs in bench/results/ with the note that reads it.
+# Needs torch's CUDA build and the test and serve extras (README). On an image whose own CUDA torch
+# is not staticrt's pinned version, install staticrt with `pip install --no-deps -e .`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+usage="usage: bench/gpu.sh tests|suite|decode|offload|onnx|serve OUT [BATCH ...]"
+if [ $# -lt 2 ]; then
+    echo "$usage" >&2
+    exit 2
+fi
+stage=$1
+out=$2
+shift 2
+py=${PYTHON:-python3}
+if ! "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    echo "bench/gpu.sh: $("$py" -c 'import torch; print("torch", torch.__version__)') sees no CUDA device;" \
+        "run it on a machine with a GPU and torch's CUDA build" >&2
+    exit 2
+fi
+mkdir -p "$out"
+# the GPU's short name, its first word with a digit: "NVIDIA H100 80GB HBM3" -> h100
+gpu=$("$py" -c "import torch; w = torch.cuda.get_device_name().lower().split(); print(next(x for x in w if any(c.isdigit() for c in x)))")
+"$py" - >"$out/machine-$gpu.txt" <<'EOF'
+import os, torch
+p = torch.cuda.get_device_properties(0)
+print(f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs, torch {torch.__version__}, "
+      f"CUDA {torch.version.cuda}, {os.cpu_count()} CPUs")
+EOF
+bench() {  # NAME ARGS...: staticrt bench on CUDA, its table in NAME.log, its report in NAME-GPU.json
+    local name=$1
+    shift
+    "$py" -m staticrt.cli bench --device cuda "$@" --json "$out/$name-$gpu.json" 2>&1 | tee "$out/$name.log"
+}
+case $stage in
+tests)
+    "$py" -m pytest -q -n 8 --dist load -p no:cacheprovider --junitxml="$out/cuda-tests.xml" \
+        tests/test_cudagraph.py tests/test_offloaded.py tests/test_onnx.py tests/test_oracle.py 2>&1 |
+        tee "$out/cuda-tests.log"
+    ;;
+suite)
+    "$py" -m pytest -q -n 12 -p no:cacheprovider --junitxml="$out/suite.xml" 2>&1 | tee "$out/suite.log"
+    ;;
+decode)
+    batches=("$@")
+    [ $# -gt 0 ] || batches=(1 8)
+    status=0
+    for b in "${batches[@]}"; do
+        bench "decode-bench-1b-b$b" --model bench-1b --dtype bfloat16 --batch-size "$b" --new-tokens 128 \
+            --backends cudagraph,reduce-overhead,compiled,hf || status=$?
+    done
+    exit $status
+    ;;
+offload)
+    bench offload-bench-1b-8192 --model bench-1b --dtype bfloat16 --offload --prompt-len 8192 --new-tokens 64 \
+        --backends cudagraph,compiled
+    ;;
+onnx)
+    if ! "$py" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then
+        echo "bench/gpu.sh onnx: this onnxruntime has no CUDAExecutionProvider; install onnxruntime-gpu" >&2
+        exit 3
+    fi
+    bench onnx-bench-1b --model bench-1b --dtype float16 --new-tokens 128 --backends onnx,cudagraph
+    ;;
+serve)
+    "$py" -m staticrt.cli bench-serve --model bench-llama --backend cudagraph --device cuda --requests 192 \
+        --stream-interval 16 --json "$out/serve-bench-llama-cudagraph-$gpu.json" 2>&1 | tee "$out/serve.log"
+    ;;
+*)
+    echo "$usage" >&2
+    exit 2
+    ;;
+esac
