@@ -34,13 +34,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         export_artifact(model, CacheSpec("static", len(PROMPTS), 64), [16], artifact, ["pt2", "onnx"])
     console.print(f"exported pt2 programs and an onnx graph in {time.perf_counter() - start:.1f} s")
-    # Without CUDA the CUDA-graph backends run the compiled path; the demo runs that once.
+    # The CUDA-graph backends replay on a GPU copy of the model; without a GPU they would run the
+    # compiled path, which the demo runs already.
     cuda_only = [name for name in MODEL_BACKENDS if BACKENDS[name].cuda_only]
-    backends = [name for name in MODEL_BACKENDS if torch.cuda.is_available() or name not in cuda_only]
-    if len(backends) < len(MODEL_BACKENDS):
+    gpu_model = load_model(args.model, device="cuda") if torch.cuda.is_available() else None
+    backends = [name for name in MODEL_BACKENDS if gpu_model is not None or name not in cuda_only]
+    if gpu_model is None:
         console.print(f"{', '.join(cuda_only)}: no CUDA device here, where they run the compiled path; skipped")
     makers = {
-        name: partial(Generator, model, max_batch_size=len(PROMPTS), max_cache_len=64, backend=name)
+        name: partial(
+            Generator,
+            gpu_model if name in cuda_only else model,
+            max_batch_size=len(PROMPTS),
+            max_cache_len=64,
+            backend=name,
+        )
         for name in backends
     }
     makers |= {
