@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pip install 'staticrt[kvquant]'), and report each one's step cost and cache bytes; a long "
         "--prompt-len shows it",
     )
-    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    bench.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when torch sees a GPU)")
     bench.add_argument(
         "--cold-start",
         type=Path,
