@@ -38,15 +38,17 @@ def checked_device(device: str | torch.device) -> torch.device:
         checked = None
     if checked is None or checked.type not in DEVICE_TYPES:
         raise ConfigError(f"device {str(device)!r} is not one staticrt runs on; pass cpu, cuda or cuda:N")
-    seen = torch.cuda.device_count() if checked.type == "cuda" else 0
-    if checked.type == "cuda" and (checked.index or 0) >= seen:
-        way_out = (
-            f"pass cuda:0 to cuda:{seen - 1}, or cpu"
-            if seen
-            else "pass cpu, or run on a machine with a GPU and torch's CUDA build (see the README)"
-        )
-        raise ConfigError(f"device {str(device)!r}: torch {torch.__version__} sees {seen} CUDA device(s); {way_out}")
-    return checked
+    if checked.type == "cpu":
+        return checked
+    seen = torch.cuda.device_count()
+    if (checked.index or 0) < seen:
+        return checked
+    way_out = (
+        f"pass cuda:0 to cuda:{seen - 1}, or cpu"
+        if seen
+        else "pass cpu, or run on a machine with a GPU and torch's CUDA build (see the README)"
+    )
+    raise ConfigError(f"device {str(device)!r}: torch {torch.__version__} sees {seen} CUDA device(s); {way_out}")
 
 
 def _weight_files(folder: Path) -> list[Path]:

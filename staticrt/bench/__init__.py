@@ -45,7 +45,8 @@ def run_bench(
     request.check()
     if request.threads:
         torch.set_num_threads(request.threads)
-    device = str(checked_device(request.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    target = checked_device(request.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = str(target)
     dtype = resolve_dtype(request.dtype)
     vocab = load_config(model_name).vocab_size
     runs = plan_runs(request, bench_prompts(vocab, request.batch_size, request.prompt_len))
@@ -53,8 +54,8 @@ def run_bench(
     for run in runs:
         if run.gguf in GGUF_TYPES:  # refused before anything compiles
             check_writable(models[run.weights], run.gguf)
-    probe = StreamProbe(dtype, torch.device(device))
-    copy_bps = copy_bytes_per_s(torch.device(device)) if device.startswith("cuda") else None
+    probe = StreamProbe(dtype, target)
+    copy_bps = copy_bytes_per_s(target) if target.type == "cuda" else None
     contenders = warm_up(models, runs, request.new_tokens, on_stage)
     timings, bracket = timed_rounds(contenders, probe, request.repeats, on_stage)
     results = {
