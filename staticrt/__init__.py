@@ -12,13 +12,13 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_model": "staticrt.checkpoint",
-    "load_config": "staticrt.checkpoint",
+    "load_model": "staticrt.loading.checkpoint",
+    "load_config": "staticrt.loading.checkpoint",
     "ModelConfig": "staticrt.config",
-    "PRESETS": "staticrt.presets",
-    "Generator": "staticrt.runtime",
-    "load_artifact": "staticrt.runtime",
-    "SamplingParams": "staticrt.generate",
+    "PRESETS": "staticrt.models.presets",
+    "Generator": "staticrt.generation.generator",
+    "load_artifact": "staticrt.generation.generator",
+    "SamplingParams": "staticrt.generation.loop",
     "CacheSpec": "staticrt.caches",
     "StaticCache": "staticrt.caches",
     "SlidingWindowCache": "staticrt.caches",

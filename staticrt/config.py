@@ -15,7 +15,7 @@ from .errors import ConfigError, as_int, read_json_object
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 LAYER_KINDS = ("full_attention", "sliding_attention")
-# The MLP activations model.py implements, by transformers' names: silu (and its alias swish), and
+# The MLP activations models/decoder.py implements, by transformers' names: silu (and its alias swish), and
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")

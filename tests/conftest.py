@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from hf_models import save_hf_model  # noqa: E402
 
-from staticrt.cli import main  # noqa: E402
+from staticrt.cli.main import main  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 QUESTION = "What is the capital of France?"

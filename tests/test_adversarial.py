@@ -21,12 +21,12 @@ import torch
 from hf_models import hf_greedy, save_hf_model
 
 import staticrt
-from staticrt.artifact import SCHEMA_VERSION, seal
+from staticrt.artifacts.manifest import SCHEMA_VERSION, seal
 from staticrt.caches import CacheSpec
-from staticrt.cli import main
+from staticrt.cli.main import main
 from staticrt.errors import ArtifactError, CacheError, CheckpointError, ConfigError, GenerationError
 from staticrt.exporters import export_artifact
-from staticrt.runtime import load_artifact
+from staticrt.generation.generator import load_artifact
 
 EXPORT = ["export", "--model", "tiny-llama", "--cache", "static", "--max-cache-len", "64", "--prefill-buckets", "16"]
 WAY_OUT = "choose another --out (a new folder, or an artifact folder to replace)"
@@ -310,7 +310,7 @@ def partials(folder: Path) -> list[str]:
 def start_export(out: Path) -> subprocess.Popen:
     """An export slow enough (pt2 and onnx) to be caught while it writes its partial folder."""
     args = [*EXPORT, "--format", "pt2,onnx", "--out", str(out)]
-    code = f"import sys; from staticrt.cli import main; sys.exit(main({args!r}))"
+    code = f"import sys; from staticrt.cli.main import main; sys.exit(main({args!r}))"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not partials(out.parent) and proc.poll() is None and time.monotonic() < deadline:
@@ -406,7 +406,7 @@ def _beyond_the_gpus() -> tuple[str, str]:
 
 @pytest.mark.parametrize("command", ["run", "serve", "bench-serve", "bench"])
 def test_a_device_torch_cannot_reach_is_refused_before_the_model_loads(command, hf_checkpoints, capsys, monkeypatch):
-    import staticrt.checkpoint as loader
+    import staticrt.loading.checkpoint as loader
 
     monkeypatch.setattr(loader, "_read_state_dict", lambda *_: pytest.fail("the checkpoint was read"))
     device, why = _beyond_the_gpus()
@@ -430,7 +430,7 @@ def test_an_artifact_refuses_device_it_runs_where_it_was_built_for(artifact, cap
 
 
 def test_the_cuda_graph_backends_load_the_model_on_a_gpu_when_there_is_one():
-    from staticrt.commands.session import model_device
+    from staticrt.cli.session import model_device
 
     gpu = "cuda" if torch.cuda.is_available() else "cpu"
     assert [model_device(None, b) for b in ("cudagraph", "reduce-overhead", "compiled", "eager", None)] == [

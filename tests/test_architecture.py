@@ -11,20 +11,32 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parent.parent / "staticrt"
+# The rooms (shared/DESIGN.md's layout), top floor first. A room imports only rooms on the floors below
+# its own, never one beside or above it; "" is the ground floor, the few modules at the package root.
+FLOORS = (
+    ("cli",),
+    ("bench",),
+    ("serve", "loading", "exporters", "backends"),
+    ("generation", "models"),
+    ("artifacts", "caches", "text"),
+    ("",),
+)
+GROUND_FLOOR = ("staticrt", "staticrt.config", "staticrt.dtypes", "staticrt.errors", "staticrt.rope")
 # Never import torch, directly or through what they import: an ONNX artifact deploys without it.
 TORCH_FREE = (
     "staticrt.errors",
-    "staticrt.generate",
-    "staticrt.artifact",
-    "staticrt.artifact_write",
-    "staticrt.host_sampling",
-    "staticrt.tokenizer",
-    "staticrt.chat_template",
-    "staticrt.generation_config",
-    "staticrt.runtime",
+    "staticrt.artifacts.manifest",
+    "staticrt.artifacts.write",
+    "staticrt.text.tokenizer",
+    "staticrt.text.chat_template",
+    "staticrt.text.generation_config",
+    "staticrt.generation.loop",
+    "staticrt.generation.host_sampling",
+    "staticrt.generation.generator",
     "staticrt.backends.onnx",
-    "staticrt.cli",
-    "staticrt.cli_args",
+    "staticrt.cli.main",
+    "staticrt.cli.args",
+    "staticrt.cli.serve_args",
 )
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 300, 60
 
@@ -75,6 +87,29 @@ def test_no_module_inside_staticrt_imports_one_that_imports_it_back():
     for start in graph:
         visit(start, [start])
     assert cycles == []
+
+
+def room(module: str) -> str:
+    """`staticrt.caches.base` -> "caches"; a module at the package root -> "" (the ground floor)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (PACKAGE / parts[-1]).is_dir() else ""
+
+
+def test_every_module_is_in_a_room_and_the_ground_floor_stays_small():
+    rooms = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").exists()}
+    assert rooms == {name for floor in FLOORS for name in floor} - {""}
+    assert tuple(sorted(name for name in MODULES if room(name) == "")) == GROUND_FLOOR
+
+
+def test_rooms_import_only_rooms_on_floors_below_their_own():
+    floor_of = {name: level for level, floor in enumerate(FLOORS) for name in floor}
+    upward = sorted(
+        f"{name} -> {target}"
+        for name in MODULES
+        for target in staticrt_imports(name)
+        if room(target) != room(name) and floor_of[room(target)] <= floor_of[room(name)]
+    )
+    assert upward == []
 
 
 @pytest.mark.parametrize("name", TORCH_FREE)

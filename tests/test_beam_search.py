@@ -132,7 +132,7 @@ def test_real_model_beams_equal_transformers(smollm2, hf_smollm2, chat_prompt):
 
 
 def test_run_prints_the_best_beam(capsys):
-    from staticrt.cli import main
+    from staticrt.cli.main import main
 
     argv = ["run", "--model", "tiny-llama", "--prompt-ids", "1,2,3", "--prompt-ids", "9", "--max-new-tokens", "8"]
     assert main([*argv, "--num-beams", "3", "--length-penalty", "0.5", "--json"]) == 0

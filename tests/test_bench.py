@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from staticrt.bench import BenchError, run_bench
-from staticrt.cli import main
+from staticrt.cli.main import main
 
 
 def test_sliding_bench_compares_the_same_tokens_as_transformers():

@@ -11,7 +11,7 @@ import torch
 from hf_models import hf_greedy
 
 import staticrt
-from staticrt.cli import main
+from staticrt.cli.main import main
 
 
 def test_run_json_matches_transformers(hf_checkpoints, capsys):

@@ -12,7 +12,7 @@ import torch
 
 import staticrt
 from staticrt.errors import GenerationError
-from staticrt.generate import SamplingParams
+from staticrt.generation.loop import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_without_the_private_api_the_backend_warns_once_and_keeps_dynamo(monkeyp
 def test_a_first_compile_is_announced_and_timed_apart_from_prefill(capfd):
     """`run --backend compiled` says, on stderr, which graph it compiles before it starts and how
     long it took; the JSON's compile_s holds that time and prefill_ms only the prefill's."""
-    from staticrt.cli import main
+    from staticrt.cli.main import main
 
     argv = ["run", "--model", "tiny-llama", "--backend", "compiled", "--prompt-ids", "1,2,3", "--json"]
     assert main([*argv, "--max-new-tokens", "4"]) == 0
@@ -183,7 +183,7 @@ def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_o
     from torch._dynamo.utils import counters
 
     from staticrt.backends import compiled as compiled_module
-    from staticrt.presets import PRESETS
+    from staticrt.models.presets import PRESETS
 
     config = dataclasses.replace(
         PRESETS["tiny-llama"], hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64
@@ -220,7 +220,7 @@ def test_a_cpu_prefill_graph_traces_one_layer_for_all_and_gives_the_same_tokens(
     from torch._dynamo.utils import counters
 
     from staticrt.backends.compiled import CompiledBackend
-    from staticrt.presets import PRESETS
+    from staticrt.models.presets import PRESETS
 
     tiny = PRESETS["tiny-llama"]
     config = dataclasses.replace(tiny, num_layers=4, layer_types=tiny.layer_types[:1] * 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 
-from staticrt.console import console, progress, show_table
+from staticrt.cli.console import console, progress, show_table
 
 COLUMNS = ["backend", "prompt", "prefill ms", "ms/token", "tok/s"]
 ROWS = [["compiled", 32, 1234567.891, 9.5, "-"], ["hf", 32, 2.0, 12.25, 81.63]]

@@ -120,7 +120,7 @@ def test_run_with_the_cudagraph_backend_loads_the_model_on_the_gpu(hf_checkpoint
     run the compiled path on the CPU with a warning), and gives eager's tokens on the same device."""
     import json
 
-    from staticrt.cli import main
+    from staticrt.cli.main import main
 
     command = ["run", "--model", str(hf_checkpoints["llama"][0]), "--prompt-ids", "5,17,3,99", "--json"]
     with warnings.catch_warnings():

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import staticrt
-from staticrt.artifact import seal
+from staticrt.artifacts.manifest import seal
 from staticrt.caches import CacheSpec
-from staticrt.cli import main
+from staticrt.cli.main import main
 from staticrt.errors import ArtifactError
 from staticrt.exporters import export_artifact
-from staticrt.recipe import read_recipe
-from staticrt.runtime import load_artifact
+from staticrt.exporters.recipe import read_recipe
+from staticrt.generation.generator import load_artifact
 
 RECIPES = Path(__file__).parent.parent / "export"
 NAMES = ("tiny-llama", "tiny-mistral", "tiny-gemma2")  # static, sliding, hybrid

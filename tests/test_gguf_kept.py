@@ -17,11 +17,11 @@ import torch
 from gguf_files import cut_gguf
 
 import staticrt
-from staticrt.cli import main
-from staticrt.convert import convert_gguf
+from staticrt.cli.main import main
 from staticrt.errors import CheckpointError, ConfigError
-from staticrt.gguf_blocks import PROJECTIONS
-from staticrt.quant_spec import QuantSpec
+from staticrt.loading.convert import convert_gguf
+from staticrt.models.gguf_blocks import PROJECTIONS
+from staticrt.models.quant_spec import QuantSpec
 
 pytest.importorskip("torchao", reason="kept codes load as torchao tensors: install the test extra")
 

@@ -21,8 +21,8 @@ from staticrt.backends.eager import run_step
 from staticrt.caches import CacheSpec, OffloadedStaticCache, OffloadWarning, build_cache, offloaded
 from staticrt.config import ModelConfig
 from staticrt.errors import CacheError
-from staticrt.generate import SamplingParams
-from staticrt.presets import PRESETS
+from staticrt.generation.loop import SamplingParams
+from staticrt.models.presets import PRESETS
 
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], [1, 2], list(range(10, 23))]  # lengths 7, 2, 13
 NEW_TOKENS = 64

@@ -17,11 +17,11 @@ from genai_runner import genai_greedy
 from hf_models import hf_greedy
 
 import staticrt
-from staticrt.artifact import seal, sha256
+from staticrt.artifacts.manifest import seal, sha256
 from staticrt.caches import CacheSpec
 from staticrt.errors import ArtifactError, GenerationError
 from staticrt.exporters import export_artifact
-from staticrt.runtime import load_artifact
+from staticrt.generation.generator import load_artifact
 
 # (checkpoint, cache): every family, every exportable cache kind. mistral-sw16 and gemma2 attend
 # through a window of 16; their rotating layers get 32 slots (the window plus genai's slack).
@@ -68,7 +68,7 @@ def test_onnx_greedy_tokens_equal_transformers_and_sampling_equals_eager(onnx_ar
 
 def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):
     from staticrt.backends.onnx import OnnxBackend, _has_cuda_device
-    from staticrt.runtime import Generator
+    from staticrt.generation.generator import Generator
 
     if not _has_cuda_device():
         pytest.skip("no CUDA device: ONNX Runtime's CUDA provider and its CUDA graphs run only on a GPU")
@@ -188,20 +188,20 @@ def test_running_and_serving_an_onnx_artifact_imports_no_torch(onnx_artifacts):
     folder = onnx_artifacts["mistral-sw16", "sliding"]
     script = (
         "import sys, json\n"
-        "from staticrt.cli import main\n"
+        "from staticrt.cli.main import main\n"
         f"assert main(['run', {str(folder)!r}, '--backend', 'onnx', '--prompt-ids', '1,2,3', '--max-new-tokens', '4',"
         " '--json']) == 0\n"
         "import staticrt\n"
         f"staticrt.load_artifact({str(folder)!r}, backend='onnx').generate([[4, 5]], max_new_tokens=2)\n"
         "from fastapi.testclient import TestClient\n"
-        "from staticrt.cli import build_parser\n"
-        "from staticrt.commands.serve import build_server\n"
+        "from staticrt.cli.main import build_parser\n"
+        "from staticrt.cli.serve import build_server\n"
         f"app, _ = build_server(build_parser().parse_args(['serve', {str(folder)!r}, '--backend', 'onnx']))\n"
         "with TestClient(app) as http:\n"
         f"    body = dict(model={folder.name!r}, prompt=[4, 5], max_tokens=2, temperature=0)\n"
         "    served = http.post('/v1/completions', json=body).json()\n"
         "    assert len(served['choices'][0]['token_ids']) == 2, served\n"
-        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'staticrt.model',"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'staticrt.models.decoder',"
         " 'staticrt.caches', 'staticrt.exporters')))\n"
         "print(json.dumps(loaded), file=sys.stderr)\n"
     )

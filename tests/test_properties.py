@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import staticrt
 from staticrt.caches import CacheSpec, build_cache
-from staticrt.cli import main
+from staticrt.cli.main import main
 from staticrt.config import ModelConfig
 from staticrt.errors import StaticrtError
 

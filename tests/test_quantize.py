@@ -14,7 +14,7 @@ from staticrt.bench import run_bench
 from staticrt.bench.perplexity import perplexity
 from staticrt.bench.probes import weight_bytes_per_step
 from staticrt.caches import CacheSpec, build_cache
-from staticrt.cli import main
+from staticrt.cli.main import main
 from staticrt.errors import ArtifactError, ConfigError
 
 torchao = pytest.importorskip("torchao", reason="quantization needs torchao: install the test extra")
@@ -126,8 +126,8 @@ def test_quantize_refuses_what_it_cannot_run_before_changing_anything(tmp_path):
     )
     model = staticrt.load_model("tiny-llama", dtype="bfloat16")
     with pytest.raises(ConfigError):
-        from staticrt.quant_spec import QuantSpec
-        from staticrt.quantize import quantize_weights
+        from staticrt.models.quant_spec import QuantSpec
+        from staticrt.models.quantize import quantize_weights
 
         quantize_weights(model, QuantSpec(4, 128))
     assert model.quantization is None and model.lm_head is not None

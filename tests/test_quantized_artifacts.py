@@ -20,10 +20,10 @@ from genai_runner import genai_greedy
 from onnx import numpy_helper
 
 import staticrt
-from staticrt.artifact import aoti_package_weights
+from staticrt.artifacts.manifest import aoti_package_weights
 from staticrt.bench import run_bench
-from staticrt.cli import main
-from staticrt.runtime import load_artifact
+from staticrt.cli.main import main
+from staticrt.generation.generator import load_artifact
 
 PROMPT = [5, 17, 99, 3, 250, 31, 7]
 
@@ -128,7 +128,7 @@ def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torch
         assert size <= 1.1 * sum(stored_bytes(p) for p in model.parameters())
     script = (
         "import sys, json; sys.modules['torchao'] = None\n"
-        "from staticrt.runtime import load_artifact\n"
+        "from staticrt.generation.generator import load_artifact\n"
         "runs = [('int8', 'pt2'), ('int8', 'aoti'), ('int4', 'pt2'), ('int4', 'aoti')]\n"
         f"print(json.dumps([load_artifact('{tmp_path}/' + q, backend=b).generate([{prompt}], 24)[0] for q, b in runs]))"
     )

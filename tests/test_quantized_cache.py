@@ -15,7 +15,7 @@ from conftest import FAMILIES
 import staticrt
 from staticrt.caches import CacheSpec, build_cache
 from staticrt.caches.quantized import quantize_int8
-from staticrt.checkpoint import load_config
+from staticrt.loading.checkpoint import load_config
 
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], [1, 2]]
 
@@ -133,7 +133,7 @@ def test_bench_times_the_int8_cache_beside_the_static_one_and_transformers_quant
     """Through the CLI: the JSON and the table (CSV here), where each cache's bytes show."""
     from staticrt.bench.plan import BenchRequest
     from staticrt.bench.probes import kv_bytes_per_step
-    from staticrt.cli import main
+    from staticrt.cli.main import main
     from staticrt.errors import BenchError
 
     command = ["bench", "--model", "tiny-llama", "--backends", "eager,hf", "--kv-int8", "--new-tokens", "8"]

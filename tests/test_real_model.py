@@ -16,7 +16,7 @@ from genai_runner import genai_greedy
 from hf_models import hf_greedy
 
 import staticrt
-from staticrt.cli import main
+from staticrt.cli.main import main
 from staticrt.errors import GenerationError
 
 
@@ -166,7 +166,7 @@ def test_chat_without_a_template_is_refused(tmp_path):
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
-    from staticrt.tokenizer import load_tokenizer
+    from staticrt.text.tokenizer import load_tokenizer
 
     with pytest.raises(staticrt.CheckpointError, match=r"has no chat template .*chat needs one"):
         load_tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
@@ -177,8 +177,8 @@ def test_serving_the_onnx_artifact_chats_as_transformers_does(smollm2_artifact, 
     client, answers transformers' greedy answer, whole and streamed."""
     from serving import client, running
 
-    from staticrt.cli import build_parser
-    from staticrt.commands.serve import build_server
+    from staticrt.cli.main import build_parser
+    from staticrt.cli.serve import build_server
 
     app, _ = build_server(build_parser().parse_args(["serve", str(smollm2_artifact), "--backend", "onnx"]))
     eos = hf_answer.index(2) + 1 if 2 in hf_answer else len(hf_answer)

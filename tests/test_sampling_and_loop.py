@@ -7,7 +7,7 @@ import math
 import torch
 
 import staticrt
-from staticrt.sampling import greedy, sample
+from staticrt.generation.sampling import greedy, sample
 
 
 def pick(probs, uniform, top_k=0, top_p=1.0, temperature=1.0):

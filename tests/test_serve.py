@@ -120,7 +120,7 @@ def test_a_prompt_longer_than_the_largest_bucket_is_prefilled_in_chunks(llama):
 @pytest.fixture(scope="module")
 def artifact(hf_checkpoints, tmp_path_factory):
     """The llama checkpoint exported for serving: 4 rows of 64 positions, as pt2 programs and an ONNX graph."""
-    from staticrt.cli import main
+    from staticrt.cli.main import main
 
     out = tmp_path_factory.mktemp("serve") / "tiny"
     argv = ["export", "--model", str(hf_checkpoints["llama"][0]), "--format", "pt2,onnx", "--out", str(out)]

@@ -122,7 +122,7 @@ def test_bad_sink_caches_are_refused(tmp_path):
         staticrt.Generator(model, cache="sink", max_cache_len=32, window=8)
     with pytest.raises(CacheError, match=r"^max_cache_len is 4; a sink cache keeps 4 sink positions"):
         staticrt.Generator(model, cache="sink", max_cache_len=4)
-    from staticrt.cli import main
+    from staticrt.cli.main import main
     from staticrt.exporters import export_artifact
 
     with pytest.raises(ArtifactError) as raised:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..artifact import REEXPORT, field, read_manifest, require_format
+from ..artifacts.manifest import REEXPORT, field, read_manifest, require_format
 from ..errors import ArtifactError
 
 FLAGS = {"max_cache_len": "--max-cache-len", "max_batch_size": "--batch-size", "prefill_buckets": "--prefill-buckets"}

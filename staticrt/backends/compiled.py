@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import GenerationError
-from ..generate import SamplingParams
+from ..generation.loop import SamplingParams
 from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice
 from .guards import code_past_guards
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..generate import SamplingParams, per_row
+from ..generation.loop import SamplingParams, per_row
 from .compiled import CompiledBackend
 from .eager import StepFn, choice_candidates, starts_fresh, step_choice
 

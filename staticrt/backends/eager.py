@@ -11,9 +11,9 @@ import torch
 
 from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
 from ..errors import CacheError, GenerationError, as_int
-from ..generate import SamplingParams, default_buckets, per_row
-from ..model import Decoder
-from ..sampling import beam_candidates, greedy, sample
+from ..generation.loop import SamplingParams, default_buckets, per_row
+from ..generation.sampling import beam_candidates, greedy, sample
+from ..models.decoder import Decoder
 
 StepFn = Callable[..., Any]
 

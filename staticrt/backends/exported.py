@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifact import REEXPORT, aoti_package_weights, program_name
+from ..artifacts.manifest import REEXPORT, aoti_package_weights, program_name
 from ..dtypes import recorded_dtype
 from ..errors import ArtifactError, check_positions
-from ..generate import SamplingParams
-from ..host_sampling import choose
+from ..generation.host_sampling import choose
+from ..generation.loop import SamplingParams
 from .artifact_base import ArtifactBackend
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

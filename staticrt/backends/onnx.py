@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArtifactError, check_positions, first_line
-from ..generate import SamplingParams
-from ..host_sampling import choose
+from ..generation.host_sampling import choose
+from ..generation.loop import SamplingParams
 from .artifact_base import ArtifactBackend
 
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import checked_device, load_config, load_model
 from ..dtypes import resolve_dtype
 from ..errors import BenchError
-from ..model import Decoder
-from ..quantize import QUANTIZED_DTYPES
+from ..loading.checkpoint import checked_device, load_config, load_model
+from ..models.decoder import Decoder
+from ..models.quantize import QUANTIZED_DTYPES
 from .contenders import Contender, staticrt_contender
 from .gguf_write import check_writable, write_gguf
 from .plan import GGUF_TYPES, QUANTO_CACHE, BenchRequest, Run, bench_prompts, plan_runs

@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..artifact import read_manifest
-from ..checkpoint import load_model
+from ..artifacts.manifest import read_manifest
 from ..errors import BenchError
-from ..runtime import Generator, load_artifact
+from ..generation.generator import Generator, load_artifact
+from ..loading.checkpoint import load_model
 
 
 def first_token_main(argv: Sequence[str] | None = None) -> None:

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ..caches import CacheSpec, resolve_max_cache_len
-from ..model import Decoder
-from ..quant_spec import QuantSpec, parse_quantize
-from ..runtime import BACKENDS, Generator
+from ..generation.generator import BACKENDS, Generator
+from ..models.decoder import Decoder
+from ..models.quant_spec import QuantSpec, parse_quantize
 from .probes import graph_weight_bytes
 
 

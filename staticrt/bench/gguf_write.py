@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BenchError
-from ..gguf_blocks import PROJECTIONS
-from ..model import Decoder
+from ..models.decoder import Decoder
+from ..models.gguf_blocks import PROJECTIONS
 from .plan import GGUF_TYPES  # what `bench --gguf` writes; F32 too, for an exact comparison
 
 # checkpoint name inside a layer -> llama.cpp's: the projections as convert reads them, and the norms

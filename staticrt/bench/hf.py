@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..config import config_to_hf
-from ..model import Decoder
+from ..models.decoder import Decoder
 from .contenders import Contender
 from .plan import QUANTO_CACHE
 from .probes import stored_bytes

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from ..caches import CacheSpec, build_cache
 from ..errors import GenerationError
-from ..model import Decoder
+from ..models.decoder import Decoder
 
 
 def perplexity(model: Decoder, token_ids: Sequence[int], chunk: int = 512) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BenchError
-from ..quant_spec import parse_quantize
+from ..models.quant_spec import parse_quantize
 
 QUANTO_CACHE = "quanto-int4"  # transformers' QuantizedCache (bench/hf.py)
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # `--gguf` names that write the model as a GGUF (gguf_write.py)

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config import ModelConfig
-from ..model import Decoder
+from ..models.decoder import Decoder
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:

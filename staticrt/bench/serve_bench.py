@@ -58,7 +58,7 @@ class ServeBenchRequest:
 
 def checkpoint_folder(model: str, work: Path) -> Path:
     """`model` itself when it is a folder; a preset written as a checkpoint folder in `work`."""
-    from ..presets import PRESETS
+    from ..models.presets import PRESETS
 
     if model not in PRESETS:
         if not (Path(model) / "tokenizer.json").is_file():
@@ -71,7 +71,7 @@ def checkpoint_folder(model: str, work: Path) -> Path:
         raise GenerationError(
             "bench-serve writes a preset as a checkpoint with transformers: pip install 'staticrt[hf]'"
         ) from None
-    from ..checkpoint import load_model
+    from ..loading.checkpoint import load_model
     from .hf import hf_model_like
 
     folder = work / model
@@ -159,8 +159,8 @@ def one_at_a_time(folder: Path, request: ServeBenchRequest, load: list[LoadReque
     """The requests one after another through a batch-1 Generator (graphs built before timing)."""
     import torch
 
-    from ..checkpoint import load_model
-    from ..runtime import Generator
+    from ..generation.generator import Generator
+    from ..loading.checkpoint import load_model
 
     if request.threads:
         torch.set_num_threads(request.threads)
@@ -190,7 +190,7 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
     with tempfile.TemporaryDirectory(prefix="staticrt-bench-serve-") as work:
         on_stage(f"writing {request.model} as a checkpoint folder")
         folder = checkpoint_folder(request.model, Path(work))
-        from ..tokenizer import load_tokenizer
+        from ..text.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(folder)
         vocab = tokenizer.backend.get_vocab_size()

@@ -25,8 +25,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import CacheError, check_positions
-from ..ops import cache_write
 from . import masks
+from .ops import cache_write
 from .spec import CacheSpec, cache_window
 from .view import LayerView, StepMetadata
 

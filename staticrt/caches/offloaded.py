@@ -28,9 +28,9 @@ import warnings
 import torch
 
 from ..config import ModelConfig
-from ..ops import cache_write
 from .base import KVCache
 from .hybrid import HybridCache
+from .ops import cache_write
 from .spec import CacheSpec
 from .static import StaticCache
 from .view import LayerView, StepMetadata

@@ -23,10 +23,10 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import CacheError
-from ..ops import cache_write
 from ..rope import apply_rope, inverse_frequencies, rope_tables
 from . import masks
 from .base import KVCache
+from .ops import cache_write
 from .spec import CacheSpec
 from .view import LayerView, StepMetadata
 

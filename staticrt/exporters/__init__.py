@@ -1,4 +1,4 @@
-"""Exporters: a model and its cache -> one artifact folder (artifact.py) holding any of the formats
+"""Exporters: a model and its cache -> one artifact folder (artifacts/) holding any of the formats
 "aoti" and "pt2" (torch_export.py) and "onnx" (onnx_export.py), with one manifest."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..artifact import FORMATS
-from ..artifact_write import write_artifact
+from ..artifacts.manifest import FORMATS
+from ..artifacts.write import write_artifact
 from ..caches import CACHE_CLASSES, CacheSpec, KVCache, build_cache
 from ..caches.quantized import Int8KV
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
-from ..model import Decoder
-from ..quant_spec import QuantSpec
+from ..models.decoder import Decoder
+from ..models.quant_spec import QuantSpec
 
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
 INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))
@@ -61,7 +61,7 @@ def export_artifact(
         manifest: dict[str, Any] = {}
         torch_formats = [f for f in formats if f != "onnx"]
         if torch_formats:
-            from ..quantize import plain_tensors
+            from ..models.quantize import plain_tensors
             from .torch_export import StepProgram, write_torch
 
             step = StepProgram(plain_tensors(model) if model.quantization else model, cache).eval()

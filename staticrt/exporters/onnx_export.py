@@ -45,10 +45,10 @@ from typing import Any
 import torch
 
 from ..caches import KVCache
+from ..caches.ops import onnx_translations
 from ..errors import ArtifactError
-from ..model import Decoder
-from ..ops import onnx_translations
-from ..quant_spec import QuantSpec
+from ..models.decoder import Decoder
+from ..models.quant_spec import QuantSpec
 from .onnx_step import OnnxStep
 
 OPSET = 24

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..quant_spec import QuantSpec
+from ..models.quant_spec import QuantSpec
 
 INT8_BLOCK = 64
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 activations in the CPU kernel (CUDA ignores it)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ..caches import KVCache, StepMetadata, masks
-from ..model import Decoder
-from ..ops import tensor_scatter
+from ..caches.ops import tensor_scatter
+from ..models.decoder import Decoder
 
 
 @dataclass

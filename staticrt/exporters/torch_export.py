@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..artifact import aoti_package_weights, program_name
+from ..artifacts.manifest import aoti_package_weights, program_name
 from ..caches import KVCache
 from ..dtypes import dtype_name
-from ..model import Decoder
+from ..models.decoder import Decoder
 
 WEIGHTS = "weights.safetensors"
 Timed = Callable[[str, Callable[[], Any]], Any]  # runs a stage, reports what finished and its time

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import GenerationError
-from ..generation_config import GenerationDefaults
+from ..text.generation_config import GenerationDefaults
 
 
 def serve_backend(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GenerationError
-from ..generate import SamplingParams, chunk_end, validate_request
+from ..generation.loop import SamplingParams, chunk_end, validate_request
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StaticrtError
-from ..generate import SamplingParams
-from ..generation_config import GenerationDefaults
+from ..generation.loop import SamplingParams
+from ..text.generation_config import GenerationDefaults
 from .scheduler import Completion
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StaticrtError
-from ..generate import StepBackend, bucket_for
+from ..generation.loop import StepBackend, bucket_for
 from .job import Completion, Event, Job, Plan, check_request
 from .metrics import Metrics
 

@@ -1,0 +1,116 @@
+"""`staticrt bench`: run the benchmark, show it as a table, write the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..bench import run_bench, write_report
+from ..bench.cold_start import cold_start
+from .console import console, progress, show_table
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.cold_start is not None:
+        return _cold_start(args)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if "hf" in backends:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            console.print(
+                "[yellow]transformers is not installed: skipping the hf backend (pip install 'staticrt[hf]')[/]"
+            )
+            backends.remove("hf")
+    with progress("benchmarking") as update:
+        report = run_bench(
+            args.model,
+            backends,
+            new_tokens=args.new_tokens,
+            prompt_len=args.prompt_len,
+            batch_size=args.batch_size,
+            repeats=args.repeats,
+            threads=args.threads,
+            dtype=args.dtype,
+            window=args.window,
+            quantize=tuple(q.strip() for q in args.quantize.split(",") if q.strip()),
+            gguf=tuple(g.strip() for g in (args.gguf or "").split(",") if g.strip()),
+            offload=args.offload,
+            kv_int8=args.kv_int8,
+            device=args.device,
+            on_stage=update,
+        )
+    if args.json:  # first: minutes of timing are not lost to a failure in what follows
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    _show(args, report)
+    if args.plot:
+        from ..bench.plot import plot_report
+
+        plot_report(report, args.plot)
+        console.print(f"drew {args.plot}")
+    if not report["tokens_agree"]:
+        console.print("[red]backends produced different tokens[/]")
+    return 0 if report["tokens_agree"] else 1
+
+
+def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    rows = [
+        [
+            name,
+            r["prompt_len"],
+            "-" if r["compile_s"] is None else r["compile_s"],
+            r["prefill_ms"],
+            r["decode_ms_per_token"],
+            r["tokens_per_s"],
+            r["kv_bytes_per_step"] / 1e6,
+            _cache_mb(r),
+            100 * r["streaming_fraction"],
+            100 * r["streaming_fraction_with_kv"],
+        ]
+        for name, r in report["backends"].items()
+    ]
+    title = f"{args.model}, batch {args.batch_size}, {report['device']}, {report['machine']['torch_threads']} threads"
+    if args.window:
+        title += f", sliding window {args.window}"
+    columns = ["backend", "prompt", "compile s", "prefill ms", "ms/token", "tok/s", "K/V MB read"]
+    columns += ["cache MB device/host", "% bound", "% bound +K/V"]
+    show_table(title, columns, rows, args.format)
+    console.print(
+        "% bound: weight bytes a decode step reads over the step time, against the streaming rate "
+        "sampled before and after each of that backend's timed runs; +K/V adds the cache the step reads",
+        soft_wrap=True,
+    )
+    rates = ", ".join(f"{name} {r['matvec_bytes_per_s'] / 1e9:.1f}" for name, r in report["backends"].items())
+    weights = ", ".join(f"{q} {b / 1e6:.1f}" for q, b in report["weight_bytes_per_step"].items())
+    console.print(
+        f"weights read per decode step (MB): {weights}; matrix-vector streaming rate (GB/s): {rates}",
+        soft_wrap=True,
+    )
+    for key, value in report["ratios"].items():
+        console.print(f"{key}: {value:.2f}x")
+
+
+def _cache_mb(result: dict[str, Any]) -> str:
+    if "cache_device_bytes" not in result:  # transformers' cache is not ours to weigh
+        return "-"
+    return f"{result['cache_device_bytes'] / 1e6:.1f}/{result['cache_host_bytes'] / 1e6:.1f}"
+
+
+def _cold_start(args: argparse.Namespace) -> int:
+    with progress("cold starts") as update:
+        report = cold_start(args.cold_start, ("aoti", "pt2"), on_stage=update)
+    rows = [
+        [label.removesuffix("_s"), value]
+        for label, value in report.items()
+        if label.endswith("_s") and label != "isa_probe_s"
+    ]
+    show_table(f"{args.cold_start}: fresh process to first token", ["programs", "seconds"], rows, args.format)
+    console.print(
+        f"compiled / aoti: {report['compiled_over_aoti']:.1f}x (after a one-time CPU-ISA probe of "
+        f"{report['isa_probe_s']:.1f} s that every inductor user pays once a machine)"
+    )
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    return 0

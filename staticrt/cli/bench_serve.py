@@ -1,0 +1,69 @@
+"""`staticrt bench-serve`: run the serving benchmark, show it as a table, write the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any
+
+from ..bench import write_report
+from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
+from .console import console, progress, show_table
+from .session import model_device
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    transformers = not args.no_transformers and importlib.util.find_spec("transformers") is not None
+    if not args.no_transformers and not transformers:
+        console.print("[yellow]transformers is not installed: skipping transformers serve[/]")
+    request = ServeBenchRequest(
+        model=args.model,
+        backend=args.backend,
+        max_batch_size=args.max_batch_size,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        prompt_range=args.prompt_len,
+        output_range=args.output_len,
+        prefill_buckets=tuple(sorted(args.prefill_buckets)),
+        threads=args.threads,
+        duration_s=float(args.duration),
+        seed=args.seed,
+        transformers=transformers,
+        stream_interval=args.stream_interval,
+        device=model_device(args.device, args.backend),
+    )
+    with progress("bench-serve") as update:
+        report = run_serve_bench(request, on_stage=update)
+    _show(request, report, args.format)
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    return 0 if not any(r.get("failed") or "error" in r for r in report["results"].values()) else 1
+
+
+def _ms(stats: dict[str, Any] | None, key: str) -> Any:
+    value = (stats or {}).get(key)
+    return "-" if value is None else float(value)
+
+
+def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
+    rows = []
+    for name, r in report["results"].items():
+        if "error" in r:
+            console.print(f"[red]{name}: {r['error']}[/]", soft_wrap=True)
+            continue
+        done = f"{r['requests'] - r.get('failed', 0)}/{r['requests']}"
+        latencies = [_ms(r.get(key), p) for key in ("ttft", "itl", "tpot") for p in ("p50_ms", "p99_ms")]
+        rows.append([name, done, r["output_tokens"], r["output_tokens_per_s"], *latencies])
+    title = (
+        f"{request.model} ({request.backend}), {request.max_batch_size} rows, {request.concurrency} clients, "
+        f"{report['machine']['torch_threads']} threads, {request.stream_interval} token(s) a chunk"
+    )
+    columns = ["contender", "done", "tokens", "tok/s"]
+    columns += [f"{key} {p} ms" for key in ("TTFT", "ITL", "TPOT") for p in ("p50", "p99")]
+    show_table(title, columns, rows, fmt)
+    for name, r in report["results"].items():
+        for error in r.get("errors", []):
+            console.print(f"[red]{name}: {error}[/]", soft_wrap=True)
+    for key, value in report["throughput_ratios"].items():
+        console.print(f"throughput {key}: {value:.2f}x")

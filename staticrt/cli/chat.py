@@ -1,0 +1,96 @@
+"""`staticrt chat`: a conversation in the terminal, each answer streamed as whole characters.
+
+Every turn renders the whole conversation with the checkpoint's template and generates from it
+in the Generator's one cache (a fixed number of positions): an answer stops where the cache ends,
+and a conversation that has filled it asks for /reset. Lines read from a pipe are turns too, so
+the command can be scripted and tested without a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..errors import GenerationError, StaticrtError
+from ..text.chat_template import Message
+from .console import console
+from .run import timings
+from .session import bind, generate_options, open_source
+
+HELP = "/reset starts over, /exit or Ctrl-D ends, Ctrl-C stops an answer"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    source = open_source(args)
+    tokenizer = source.tokenizer
+    if tokenizer is None:
+        raise GenerationError(
+            f"chat needs the checkpoint's tokenizer.json and chat template, and {source.name} has no tokenizer.json; "
+            "use a checkpoint folder (or an artifact exported from one) that has both"
+        )
+    system: list[Message] = [{"role": "system", "content": args.system}] if args.system is not None else []
+    tokenizer.apply_chat_template([*system, {"role": "user", "content": "hi"}])  # no template: refused now
+    gen = bind(source, args, 1, None)
+    options = generate_options(args, source, gen)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        console.print(f"chatting with {source.name} on {gen.backend.name}; {HELP}")
+    messages = list(system)
+    while (line := _read_turn(interactive)) is not None:
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            messages = list(system)
+            console.print("(a new conversation)")
+            continue
+        if not text:
+            continue
+        turn = [*messages, {"role": "user", "content": text}]
+        try:
+            answer = _answer(gen, tokenizer, turn, args.max_new_tokens, options)
+        except StaticrtError as err:  # a conversation the cache cannot hold: the session goes on
+            console.print(f"staticrt chat: {err}", style="red", markup=False, soft_wrap=True)
+            continue
+        except KeyboardInterrupt:
+            sys.stdout.write("\n")
+            console.print("(answer stopped; it is not kept in the conversation)")
+            continue
+        if interactive:
+            console.print(timings(gen.last_stats), style="dim")
+        messages = [*turn, {"role": "assistant", "content": answer}]
+    return 0
+
+
+def _read_turn(interactive: bool) -> str | None:
+    """The next line the user typed (or the pipe holds); None at the end."""
+    if not interactive:
+        return sys.stdin.readline() or None
+    try:
+        return input(">>> ")
+    except (EOFError, KeyboardInterrupt):
+        sys.stdout.write("\n")
+        return None
+
+
+def _answer(gen: Any, tokenizer: Any, turn: list[Message], max_new_tokens: int, options: dict[str, Any]) -> str:
+    """Stream the answer to `turn` to stdout; return its text (without the eos it stopped on)."""
+    ids = tokenizer.apply_chat_template(turn)
+    limit = gen.backend.max_sequence_len
+    room = max_new_tokens if limit is None else min(max_new_tokens, limit - len(ids))
+    if room < 1:
+        raise GenerationError(
+            f"the conversation is {len(ids)} tokens and the cache holds {limit}; /reset starts a new one "
+            "(or restart with a larger --max-cache-len)"
+        )
+    text = tokenizer.stream()
+
+    def show(row: int, token: int) -> None:
+        sys.stdout.write(text.push(token))
+        sys.stdout.flush()
+
+    tokens = gen.generate([ids], room, stream=show, **options)[0]
+    sys.stdout.write(text.flush() + "\n")
+    sys.stdout.flush()
+    return tokenizer.decode(tokens)

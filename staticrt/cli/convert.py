@@ -1,0 +1,26 @@
+"""`staticrt convert FILE.gguf OUT/`: a GGUF file to a checkpoint folder every command loads."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .console import console
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from ..loading.convert import convert_gguf
+
+    start = time.perf_counter()
+    with console.status(f"converting {args.gguf}") as status:
+
+        def stage(what: str) -> None:
+            status.update(f"converting {args.gguf}: {what}")
+            console.print(f"  {what} ({time.perf_counter() - start:.1f} s)")
+
+        out = convert_gguf(args.gguf, args.out, stage, keep_quantized=args.keep_quantized)
+    console.print(
+        f"wrote {out} in {time.perf_counter() - start:.1f} s; chat with it: staticrt chat --model {out}",
+        soft_wrap=True,  # one line: the command can be copied
+    )
+    return 0

@@ -1,0 +1,49 @@
+"""`staticrt inspect`: a cache's layout and memory, layer by layer, without allocating it."""
+
+from __future__ import annotations
+
+import argparse
+
+from .console import console, show_table
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from ..caches import CacheSpec, build_cache, resolve_max_cache_len
+    from ..dtypes import resolve_dtype
+    from ..loading.checkpoint import load_config
+    from ..models.quant_spec import parse_quantize
+    from ..models.quantize import quantized_dtype
+
+    # the cache holds what the model computes in: bfloat16 by default for quantized weights
+    dtype = quantized_dtype(parse_quantize(args.quantize), args.dtype and resolve_dtype(args.dtype))
+    config = load_config(args.model)
+    max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
+    cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len, args.window), dtype, "meta")
+    static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")
+    rows = []
+    for i, attention in enumerate(config.layer_types):
+        key = cache.storage_buffers(i)[0]
+        layout = cache.layer_layout(i)
+        rows.append(
+            [
+                i,
+                attention,
+                layout,
+                "host" if layout == "offloaded" else "device",
+                "x".join(map(str, key.shape)),
+                f"{cache.layer_bytes(i):,}",
+            ]
+        )
+    title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"
+    if cache.window:
+        title += f", window {cache.window}"
+    columns = ["layer", "attention", "cache", "held in", "K and V shape [B,H_kv,L,D]", "bytes"]
+    show_table(title, columns, rows, args.format)
+    ours, host, full = cache.device_bytes(), cache.host_bytes(), static.device_bytes()
+    console.print(
+        f"device bytes (K/V{', working buffers' if host else ''} and lengths): {ours:,}; host bytes: "
+        f"{host:,}; a static cache of the same length holds {full:,} on the device ({ours / full:.1%} "
+        "of it)",
+        soft_wrap=True,
+    )
+    return 0

@@ -1,0 +1,48 @@
+"""`staticrt serve`: an OpenAI-compatible server over a model or an artifact, its requests batched
+continuously in the rows of one fixed-shape cache."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from .console import console
+from .session import bind, open_source
+
+API_KEY_ENV = "STATICRT_API_KEY"
+
+
+def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The app and its scheduler over --model or the artifact."""
+    from ..serve import serve_backend
+
+    source = open_source(args)
+    backend = bind(source, args, args.max_batch_size, None, args.prefill_buckets).backend
+    # a model prefills each prompt alone in a batch-1 twin of the cache; an artifact has one batch size
+    prefiller = None if source.artifact is not None else bind(source, args, 1, None, args.prefill_buckets).backend
+    return serve_backend(
+        backend,
+        source.tokenizer,
+        args.served_model_name or os.path.basename(os.path.normpath(source.name)),
+        source.defaults,
+        args.max_queue,
+        args.api_key or os.environ.get(API_KEY_ENV) or None,
+        prefiller,
+        args.stream_interval,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..serve import run_server
+
+    app, scheduler = build_server(args)
+    backend = scheduler.backend
+    console.print(
+        f"serving {args.served_model_name or args.artifact or args.model} on http://{args.host}:{args.port}/v1 "
+        f"({backend.name}, {backend.batch_size} rows of {backend.max_cache_len} positions, prefill buckets "
+        f"{list(backend.buckets)}); Ctrl-C or SIGTERM drains and stops",
+        soft_wrap=True,
+    )
+    run_server(app, scheduler, args.host, args.port, args.drain_timeout)
+    return 0

@@ -1,0 +1,126 @@
+"""The command lines of `staticrt serve` and `staticrt bench-serve`. Imports no torch, as main.py."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from .args import NON_NEGATIVE, POSITIVE, add_device_arg, add_format_arg, add_model_args, prompt_ids
+
+
+def add_serve_parsers(sub: Any) -> None:
+    _add_serve_parser(sub)
+    _add_bench_serve_parser(sub)
+
+
+def _add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server, requests batched continuously in the cache's rows (serve extra)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  staticrt serve --model models/smollm2 --backend compiled --max-batch-size 8\n"
+        "  staticrt serve artifacts/smollm2 --backend onnx --port 8000   # ONNX Runtime, no torch\n"
+        "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        '      -d \'{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}]}\'\n'
+        "Each of the cache's rows holds one request; a new request is prefilled into a free row while\n"
+        "the others keep decoding, with the same step shapes (no recompiles, CUDA graphs intact).\n"
+        "Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus).",
+    )
+    serve.add_argument("artifact", nargs="?", type=Path, help="an artifact folder (instead of --model)")
+    add_model_args(serve, required=False)
+    add_device_arg(serve)
+    serve.add_argument(
+        "--backend", default=None, help="as for run: eager (default) | compiled | cudagraph | aoti | pt2 | onnx"
+    )
+    serve.add_argument(
+        "--max-batch-size", type=POSITIVE, default=8, help="rows of the cache: requests decoded at once (default 8)"
+    )
+    serve.add_argument(
+        "--prefill-buckets",
+        type=prompt_ids,
+        default=None,
+        help="prompt widths with a prefill graph, comma-separated; longer prompts are prefilled in chunks "
+        "of the largest (default: powers of two up to --max-cache-len)",
+    )
+    serve.add_argument("--threads", type=POSITIVE, default=None, help="CPU threads (torch, or ONNX Runtime)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
+    serve.add_argument("--port", type=NON_NEGATIVE, default=8000)
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $STATICRT_API_KEY, else none)"
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: the folder's name)"
+    )
+    serve.add_argument(
+        "--max-queue", type=NON_NEGATIVE, default=64, help="requests waiting for a row before 429 (default 64)"
+    )
+    serve.add_argument(
+        "--stream-interval",
+        type=POSITIVE,
+        default=1,
+        help="tokens a streamed chunk after the first, which goes at once (default 1); more send fewer "
+        "HTTP events a token, for models whose step costs less than a chunk (SGLang's and vLLM's option)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=POSITIVE,
+        default=30,
+        help="seconds open requests may take to finish after SIGTERM (default 30)",
+    )
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    """MIN,MAX token counts (1 <= MIN <= MAX)."""
+    values = prompt_ids(text)
+    if len(values) != 2 or not 1 <= values[0] <= values[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX with 1 <= MIN <= MAX, like 8,96")
+    return values[0], values[1]
+
+
+def _add_bench_serve_parser(sub: Any) -> None:
+    bench = sub.add_parser(
+        "bench-serve",
+        help="load-test staticrt serve against one request at a time and transformers serve (JSON)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n"
+        "  staticrt bench-serve --model bench-llama --threads 2 --json bench/results/serve-bench-llama.json\n"
+        "The same requests (random prompts and answer lengths, seeded) go to `staticrt serve`, then to\n"
+        "`transformers serve --continuous-batching` when transformers is installed, each its own process\n"
+        "on a loopback port, and then run one at a time through Generator.generate (batch 1). Reports\n"
+        "output tokens/s, time to first token, the gaps between streamed chunks (ITL) and the time a\n"
+        "token after the first (TPOT), p50 and p99, and the ratios.",
+    )
+    bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder with tokenizer.json")
+    bench.add_argument("--backend", default="compiled", help="eager | compiled (default) | cudagraph")
+    bench.add_argument("--max-batch-size", type=POSITIVE, default=8, help="rows the server decodes at once (8)")
+    bench.add_argument("--concurrency", type=POSITIVE, default=16, help="clients sending at once (default 16)")
+    bench.add_argument("--requests", type=POSITIVE, default=64, help="requests in all (default 64)")
+    bench.add_argument("--prompt-len", type=_length_range, default=(8, 96), help="MIN,MAX prompt tokens (8,96)")
+    bench.add_argument("--output-len", type=_length_range, default=(16, 96), help="MIN,MAX max_tokens (16,96)")
+    bench.add_argument("--prefill-buckets", type=prompt_ids, default=(32, 64, 128), help="default 32,64,128")
+    bench.add_argument("--threads", type=POSITIVE, default=None, help="CPU threads of every contender")
+    bench.add_argument(
+        "--device",
+        default=None,
+        help="cpu | cuda | cuda:N: every contender's model (default: cuda for --backend cudagraph when torch sees "
+        "a GPU, else cpu)",
+    )
+    bench.add_argument(
+        "--duration", type=POSITIVE, default=600, help="seconds after which no request starts, per server (600)"
+    )
+    bench.add_argument("--seed", type=NON_NEGATIVE, default=0)
+    bench.add_argument(
+        "--stream-interval",
+        type=POSITIVE,
+        default=1,
+        help="staticrt serve's --stream-interval (default 1; transformers serve sends every token)",
+    )
+    bench.add_argument(
+        "--no-transformers", action="store_true", help="skip transformers serve (skipped anyway when not installed)"
+    )
+    bench.add_argument("--json", type=Path, default=None, help="write the report here")
+    add_format_arg(bench)

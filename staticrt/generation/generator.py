@@ -1,0 +1,191 @@
+"""The one registry: every backend name, what it runs (a model or an artifact), and how it is built.
+
+Backends are imported only when built, by module name, so a deploy path that needs no torch (an
+ONNX artifact) never imports it; this module imports no torch itself. `Generator` is the public
+face over any of them: a model (or an artifact) bound to a cache and a backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..artifacts.manifest import FORMATS, read_manifest, require_format
+from ..errors import ArtifactError, GenerationError, as_int
+from .beam_search import BeamParams, beam_search_tokens
+from .loop import MAX_NEW_TOKENS, GenerationStats, SamplingParams, StepBackend, StreamCallback, generate_tokens
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One backend: `runs` "model" (a loaded `Decoder`) or "artifact" (a folder of format `name`);
+    built by `module.cls`; `cuda_only` ones run the compiled path, with a warning, without CUDA."""
+
+    name: str
+    runs: str
+    module: str
+    cls: str
+    cuda_only: bool = False
+
+    def build(self, *args: Any, **options: Any) -> StepBackend:
+        return getattr(importlib.import_module(f"staticrt.backends.{self.module}"), self.cls)(*args, **options)
+
+
+BACKENDS = {
+    entry.name: entry
+    for entry in (
+        BackendEntry("eager", "model", "eager", "EagerBackend"),
+        BackendEntry("compiled", "model", "compiled", "CompiledBackend"),
+        BackendEntry("cudagraph", "model", "cudagraph", "CudaGraphBackend", cuda_only=True),
+        BackendEntry("reduce-overhead", "model", "cudagraph", "ReduceOverheadBackend", cuda_only=True),
+        # artifact backends, in the order a default is picked (FORMATS' order)
+        BackendEntry("aoti", "artifact", "exported", "ExportedBackend"),
+        BackendEntry("pt2", "artifact", "exported", "ExportedBackend"),
+        BackendEntry("onnx", "artifact", "onnx", "OnnxBackend"),
+    )
+}
+MODEL_BACKENDS = tuple(name for name, entry in BACKENDS.items() if entry.runs == "model")
+ARTIFACT_BACKENDS = tuple(name for name, entry in BACKENDS.items() if entry.runs == "artifact")
+assert ARTIFACT_BACKENDS == FORMATS, "each artifact format has the backend of its name"
+
+
+def create_backend(name: str, model: Any, **options: Any) -> StepBackend:
+    """The model backend `name` over `model` (options: cache, max_batch_size, max_cache_len, ...)."""
+    entry = BACKENDS.get(name)
+    if entry is None:
+        raise GenerationError(f"backend {name!r} is unknown; choose one of {', '.join(MODEL_BACKENDS)}")
+    if entry.runs == "artifact":
+        raise GenerationError(
+            f"backend {name!r} runs an exported artifact, not a model: export one (`staticrt export`, "
+            f"format {name}) and load it with staticrt.load_artifact(path, backend={name!r}) or "
+            f"`staticrt run ARTIFACT --backend {name}`"
+        )
+    return entry.build(model, **options)
+
+
+def load_artifact(path: str | Path, backend: str | None = None, threads: int | None = None) -> Generator:
+    """A `Generator` over the artifact in `path`, checked first (manifest, hashes).
+
+    `backend` picks what runs: "aoti" (AOTInductor packages), "pt2" (torch.export programs) or
+    "onnx" (ONNX Runtime; imports neither torch nor the model code); by default the first of those
+    the artifact holds. `threads` sets ONNX Runtime's intra-op threads (torch's are torch's).
+    """
+    folder = Path(path)
+    threads = None if threads is None else as_int(threads, "threads", 1, ArtifactError)
+    manifest = read_manifest(folder)
+    backend = backend or next((b for b in ARTIFACT_BACKENDS if b in manifest["formats"]), None)
+    require_format(folder, manifest, backend)
+    options = {"threads": threads} if backend == "onnx" else {}
+    return Generator(BACKENDS[backend].build(folder, backend, manifest, **options))
+
+
+def _beam_params(
+    num_beams: Any, length_penalty: Any, early_stopping: Any, sampling: SamplingParams, stream: Any
+) -> BeamParams | None:
+    """The beam search a `generate` call asks for (None: one beam), checked before anything runs."""
+    params = BeamParams(num_beams, length_penalty, early_stopping).checked()
+    if params.num_beams == 1:
+        return None
+    if sampling.do_sample:
+        raise GenerationError(
+            f"num_beams={params.num_beams} with do_sample=True (beam sampling) is not supported; pass "
+            "do_sample=False for beam search, or num_beams=1 to sample"
+        )
+    if stream is not None:
+        raise GenerationError(
+            "beam search cannot stream: which beam wins is known only at the end; pass stream=None, "
+            "or num_beams=1 to stream tokens as they come"
+        )
+    return params
+
+
+class Generator:
+    """A model bound to a cache and a backend, for repeated generation with fixed shapes.
+
+    `model` is a `Decoder` (from `staticrt.load_model`) or an already built `StepBackend`.
+    `cache` is "static", "sliding" (every layer a rotating buffer of `window` slots), "hybrid"
+    (rotating buffers for sliding layers only), "offloaded" (every layer's K/V in host memory,
+    two device working buffers), "offloaded-hybrid" (a hybrid cache with its global layers
+    offloaded) or "auto" (what the model's config implies); or a cache already built (e.g.
+    `staticrt.build_cache(model.config, ...)`), whose spec then sets batch size, length and window.
+    `window` defaults to the model's `sliding_window`; `max_batch_size` to 1. Building the torch
+    backends imports torch; this module itself does not.
+
+    A Generator may be shared between threads: its one cache holds one generation at a time, so
+    concurrent `generate` calls are serialised (each waits for the one under way). A `stream`
+    callback that calls `generate` on the same Generator is refused, since it would overwrite the
+    cache of the generation that called it.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        cache: Any = "static",
+        max_batch_size: int | None = None,
+        max_cache_len: int | None = None,
+        backend: str = "eager",
+        prefill_buckets: Sequence[int] | None = None,
+        window: int | None = None,
+    ) -> None:
+        if hasattr(model, "step") and hasattr(model, "buckets"):
+            self.backend: StepBackend = model
+        else:
+            self.backend = create_backend(
+                backend,
+                model,
+                cache=cache,
+                max_batch_size=max_batch_size,
+                max_cache_len=max_cache_len,
+                prefill_buckets=prefill_buckets,
+                window=window,
+            )
+        self.last_stats = GenerationStats()
+        self._lock = threading.Lock()
+        self._running_in: int | None = None  # the thread whose `generate` holds the cache
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = MAX_NEW_TOKENS,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Sequence[int] | None = (),
+        stream: StreamCallback | None = None,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+    ) -> list[list[int]]:
+        """New token ids per prompt; timings of the call land in `self.last_stats`.
+
+        `num_beams` > 1 runs beam search as transformers' `generate(num_beams=N, do_sample=False)`
+        does (`length_penalty`, `early_stopping` as there): each prompt takes N rows of the cache,
+        so prompts x num_beams must fit in max_batch_size; it returns each prompt's best beam."""
+        if self._running_in == threading.get_ident():
+            raise GenerationError(
+                "generate was called again while this thread's generate is under way (from its stream "
+                "callback?); the Generator's one cache holds one generation at a time: collect the tokens in "
+                "the callback and call generate after it returns, or use a second Generator"
+            )
+        sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed)
+        with self._lock:
+            self._running_in = threading.get_ident()
+            try:
+                stats = GenerationStats()
+                beams = _beam_params(num_beams, length_penalty, early_stopping, sampling, stream)
+                if beams is None:
+                    tokens = generate_tokens(
+                        self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, stats
+                    )
+                else:
+                    tokens = beam_search_tokens(self.backend, prompts, max_new_tokens, beams, stop_token_ids, stats)
+                self.last_stats = stats
+                return tokens
+            finally:
+                self._running_in = None

@@ -1,0 +1,232 @@
+"""Hugging Face checkpoint folder -> `Decoder` (safetensors only) and its tokenizer.
+
+Also builds the built-in presets: seeded random weights with no files, for the demo and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..config import ModelConfig, load_hf_config
+from ..dtypes import resolve_dtype
+from ..errors import CheckpointError, ConfigError, first_line
+from ..models import gguf_blocks
+from ..models.decoder import Decoder, init_random, use_column_major_weights
+from ..models.presets import PRESETS
+from ..models.quant_spec import QuantSpec, parse_quantize
+from ..models.quantize import quantize_weights, quantized_dtype
+from ..rope import inverse_frequencies
+from ..text.generation_config import read_generation_defaults
+from ..text.tokenizer import load_tokenizer
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def checked_device(device: str | torch.device) -> torch.device:
+    """`device` as torch names it, refused with the way out before any weight is read: a CUDA device
+    torch cannot reach would otherwise fail deep inside `.to()`, after the checkpoint was read."""
+    try:
+        checked = torch.device(device)
+    except (RuntimeError, TypeError):
+        checked = None
+    if checked is None or checked.type not in DEVICE_TYPES:
+        raise ConfigError(f"device {str(device)!r} is not one staticrt runs on; pass cpu, cuda or cuda:N")
+    if checked.type == "cpu":
+        return checked
+    seen = torch.cuda.device_count()
+    if (checked.index or 0) < seen:
+        return checked
+    way_out = (
+        f"pass cuda:0 to cuda:{seen - 1}, or cpu"
+        if seen
+        else "pass cpu, or run on a machine with a GPU and torch's CUDA build (see the README)"
+    )
+    raise ConfigError(f"device {str(device)!r}: torch {torch.__version__} sees {seen} CUDA device(s); {way_out}")
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({folder / str(name) for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(
+                f"{index} is not a safetensors index (JSON with a weight_map of tensor -> shard file: {err!r}); "
+                "restore it from the checkpoint"
+            ) from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) {missing} that are not in the folder")
+        return files
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{folder}: holds pickle weights {pickles}; staticrt loads safetensors only (pickles can run "
+            'code). Convert once with transformers: python -c "from transformers import '
+            f"AutoModelForCausalLM as M; M.from_pretrained('{folder}').save_pretrained('{folder}')\""
+        )
+    raise CheckpointError(
+        f"{folder}: no model.safetensors or model.safetensors.index.json; a checkpoint folder needs "
+        "its weights in safetensors"
+    )
+
+
+def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    name = key.removeprefix("model.")
+                    state[name] = f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            reason = first_line(err)
+            raise CheckpointError(
+                f"{path} cannot be read as safetensors ({reason}); the file is truncated or corrupt: download it again"
+            ) from None
+    return state
+
+
+def _head_of(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> ModelConfig:
+    """The config the weights call for. With `tie_word_embeddings` a checkpoint may still hold its
+    own `lm_head.weight`: the tied copy (dropped), or a head of its own, which transformers keeps
+    (untied, with a warning), and so does staticrt."""
+    head, embedding = state.get("lm_head.weight"), state.get("embed_tokens.weight")
+    if not config.tie_word_embeddings or head is None:
+        return config
+    if embedding is not None and torch.equal(head, embedding):
+        del state["lm_head.weight"]
+        return config
+    warnings.warn(
+        f"{source}: config.json ties the output head to the embedding, but the checkpoint holds an "
+        "lm_head.weight of its own; it is used untied, as transformers does. Set tie_word_embeddings "
+        "to false in config.json to silence this",
+        stacklevel=3,
+    )
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
+def load_state_dict_checked(model: Decoder, state: dict[str, torch.Tensor], source: str) -> None:
+    """Assign `state` to `model`, refusing missing, unexpected or mis-shaped tensors by name."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: weights do not match the {model.config.family} architecture in config.json: "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)} but config.json implies "
+                f"{tuple(expected[name].shape)}"
+            )
+    model.load_state_dict(state, assign=True)
+
+
+def load_config(path_or_preset: str | Path) -> ModelConfig:
+    """The architecture of a preset or a checkpoint folder, without reading any weights (what
+    `inspect` needs for a checkpoint of any size)."""
+    name = str(path_or_preset)
+    if name in PRESETS:
+        return PRESETS[name]
+    if not Path(path_or_preset).is_dir():
+        raise CheckpointError(f"model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
+    config = load_hf_config(Path(path_or_preset))
+    eos = read_generation_defaults(path_or_preset).eos_token_ids
+    return dataclasses.replace(config, eos_token_ids=eos) if eos else config
+
+
+def stored_quantization(path_or_preset: str | Path) -> QuantSpec | None:
+    """The spec of a folder whose projections `staticrt convert --keep-quantized` kept as GGUF
+    codes (gguf_blocks.py); None for float weights and presets. Other quantized checkpoints (GPTQ,
+    AWQ, ...) are refused by name: their tensors are not weights staticrt can read."""
+    if str(path_or_preset) in PRESETS:
+        return None
+    folder = Path(path_or_preset)
+    try:
+        quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None  # load_config has already said what is wrong with config.json
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != gguf_blocks.QUANT_METHOD:
+        raise CheckpointError(
+            f"{folder}: config.json says its weights are quantized by {method!r}; staticrt reads float "
+            "checkpoints (and quantizes them with --quantize) and GGUF codes kept by staticrt convert "
+            "--keep-quantized: use the float checkpoint, or a GGUF of the model with staticrt convert"
+        )
+    return parse_quantize(quantization.get("weights"))
+
+
+def load_model(
+    path_or_preset: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    quantize: str | None = None,
+) -> Decoder:
+    """A preset name (`tiny-llama`, ...) or a Hugging Face checkpoint folder -> `Decoder` in
+    inference mode. The folder's `tokenizer.json`, when present, is loaded as `model.tokenizer`.
+
+    `quantize` ("int8", "int4", "int4-g64", ...; see `staticrt.models.quantize`) stores the projections
+    and head in fewer bytes with torchao; the model then computes in bfloat16 unless `dtype` says
+    float16. `dtype` defaults to float32 for a float model. `device`: cpu, cuda or cuda:N.
+    """
+    device = checked_device(device)
+    spec = parse_quantize(quantize)
+    config = load_config(path_or_preset)
+    stored = stored_quantization(path_or_preset)
+    if stored is not None and spec not in (None, stored):
+        raise ConfigError(
+            f"{path_or_preset} holds {stored.name} weights kept from a GGUF (staticrt convert --keep-quantized), "
+            f"not quantize {spec.name!r}: leave quantize out (or pass {stored.name}), or convert the GGUF "
+            "without --keep-quantized to quantize the float weights otherwise"
+        )
+    spec = stored or spec
+    dtype = quantized_dtype(spec, None if dtype is None else resolve_dtype(dtype))
+    if str(path_or_preset) in PRESETS:
+        model = init_random(Decoder(config), seed=0).to(dtype=dtype, device=device)
+        model.tokenizer = None
+        model.source = str(path_or_preset)
+        return _ready(model, spec)
+    folder = Path(path_or_preset)
+    state, kept = gguf_blocks.split_state(_read_state_dict(_weight_files(folder)))
+    # Kept codes are weights too: their exact values stand in until quantize_weights replaces them.
+    state |= {name: gguf_blocks.dequantize(blocks) for name, blocks in kept.items()}
+    for name, tensor in state.items():
+        state[name] = tensor.to(dtype)  # one at a time: a float32 copy goes as its cast arrives
+    config = _head_of(config, state, str(folder))
+    with torch.device("meta"):
+        model = Decoder(config)
+    load_state_dict_checked(model, state, str(folder))
+    # The RoPE table is not in the checkpoint; the meta placeholder is replaced by the real one.
+    model.inv_freq = inverse_frequencies(config.rope, config.head_dim)
+    model = model.to(device)
+    model.tokenizer = load_tokenizer(folder)
+    model.source = str(folder)
+    return _ready(model, spec, kept)
+
+
+def _ready(model: Decoder, spec: QuantSpec | None, kept: dict[str, gguf_blocks.Blocks] | None = None) -> Decoder:
+    """Inference mode, quantized weights if asked (with the GGUF codes `kept`, where the folder
+    has them), and on CPU the layout that decodes fastest there."""
+    model = model.eval().requires_grad_(False)
+    if spec is not None:
+        quantize_weights(model, spec, kept or {})
+    if next(model.parameters()).device.type == "cpu":
+        use_column_major_weights(model)
+    return model

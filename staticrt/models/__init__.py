@@ -1,0 +1,2 @@
+"""The model: one decoder for the four families, its presets, and weight quantization (the spec, torch-free,
+and its application, with GGUF's kept blocks)."""

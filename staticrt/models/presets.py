@@ -1,0 +1,73 @@
+"""Built-in presets, gpt-fast style: a table of named model shapes with seeded random weights and no
+files. The tiny ones serve the demo and the tests; `bench-llama` is the Llama shape the CPU
+benchmark is defined on; `bench-1b` is a Llama-3.2-1B shape (1.24e9 parameters) for the CUDA one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ModelConfig, RopeConfig
+
+
+def _tiny(family: str, **overrides: Any) -> ModelConfig:
+    base: dict[str, Any] = dict(
+        family=family,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        eos_token_ids=(),
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny-llama": _tiny("llama"),
+    "tiny-mistral": _tiny("mistral", sliding_window=64, layer_types=("sliding_attention",) * 2),
+    "tiny-qwen2": _tiny("qwen2", qkv_bias=True),
+    "tiny-gemma2": _tiny(
+        "gemma2",
+        hidden_act="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        norm_offset=1.0,
+        scale_embeddings=True,
+        sandwich_norms=True,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        sliding_window=64,
+        layer_types=("sliding_attention", "full_attention"),
+    ),
+    "bench-llama": ModelConfig(
+        family="llama",
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0),
+    ),
+    "bench-1b": ModelConfig(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope=RopeConfig(theta=500000.0),
+    ),
+}

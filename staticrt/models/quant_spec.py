@@ -1,0 +1,39 @@
+"""What `--quantize` / `quantize=` names, torch-free (the CLI parses it before torch loads)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from ..errors import ConfigError
+
+INT4_GROUP_SIZES = (32, 64, 128)
+QUANTIZE_CHOICES = ("int8", "int4", *(f"int4-g{g}" for g in INT4_GROUP_SIZES))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """`bits` 8 (per output channel) or 4 (per `group_size` inputs of an output channel)."""
+
+    bits: int
+    group_size: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The canonical spelling, as manifests and recipes record it: "int8", "int4-g32"."""
+        return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+
+
+def parse_quantize(value: str | None) -> QuantSpec | None:
+    """`--quantize` / `quantize=` -> spec; None or "none" is no quantization. "int4" is group 32,
+    the finest group torch's int4 kernels take (the most accurate, at the same speed)."""
+    if value is None or value == "none":
+        return None
+    match = re.fullmatch(r"int8|int4(?:-g(\d+))?", value)
+    group = int(match.group(1) or 32) if match and value != "int8" else None
+    if match is None or (group is not None and group not in INT4_GROUP_SIZES):
+        raise ConfigError(
+            f"quantize {value!r} is not supported; choose one of {', '.join(QUANTIZE_CHOICES)} "
+            "(int4 is int4-g32), or none"
+        )
+    return QuantSpec(8) if value == "int8" else QuantSpec(4, group)

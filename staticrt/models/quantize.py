@@ -1,0 +1,152 @@
+"""Weight-only int8 / int4 quantization of a loaded `Decoder`, with torchao (the `quant` extra).
+
+Decode at small batch streams every weight once a token, so a weight stored in fewer bytes is a
+faster token. torchao replaces each projection's weight with a quantized tensor subclass whose
+`linear` runs torch's weight-only kernels: `_weight_int8pack_mm` (int8, one scale an output
+channel) and `_weight_int4pack_mm_for_cpu` / tinygemm on CUDA (int4, an asymmetric scale and zero
+a group of `group_size` inputs). Both kernels take bfloat16 activations: with float32 ones the
+CPU kernels run at a third (int8) to a fifth (int4) of fp32 BLAS's speed (docs/measurements.md),
+so a quantized model computes in bfloat16 (or float16 on CUDA) and refuses float32.
+
+What is quantized: every projection (the fused q/k/v and gate/up, o, down) to `spec`, and the
+head to int8 whatever `spec` says: at int4 the head alone raised SmolLM2-135M's perplexity by 5.6%,
+at int8 by 0.3% (tests/test_real_model.py). A tied head gets its own quantized copy, since the head
+is a fifth of a small model's bytes and is read in full every token, while the embedding table is
+only gathered from, a row a token, and stays in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .gguf_blocks import BLOCK, Blocks, codes_of
+from .quant_spec import INT4_GROUP_SIZES, QuantSpec
+
+QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.dtype:
+    """The compute dtype of a model loaded with `spec`: `dtype`, or by default float32 for a float
+    model and bfloat16 for a quantized one; float32 with quantization is refused."""
+    if spec is None:
+        return dtype or torch.float32
+    if dtype is None:
+        return torch.bfloat16
+    if dtype not in QUANTIZED_DTYPES:
+        raise ConfigError(
+            f"quantize {spec.name!r} with dtype {str(dtype).removeprefix('torch.')}: torch's int8/int4 weight "
+            "kernels take bfloat16 (or float16) activations, and with float32 ones run slower than float32 "
+            "weights; use --dtype bfloat16, or leave --dtype out (it then defaults to bfloat16)"
+        )
+    return dtype
+
+
+def _torchao_config(spec: QuantSpec, device: torch.device) -> object:
+    """torchao's config for `spec` on `device`."""
+    # On import torchao logs a line for each optional CUDA library it cannot load, and torch one
+    # for each of its enums; none of them is the user's concern.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+    except ImportError as err:
+        raise ConfigError(
+            f"quantize {spec.name!r} needs torchao ({err}); install it with: pip install 'staticrt[quant]'"
+        ) from None
+    finally:
+        pytree_log.setLevel(level)
+    # set_inductor_config=False: torchao would otherwise change inductor's global settings.
+    if spec.bits == 8:
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    if device.type == "cpu":
+        return PrototypeInt4WeightOnlyConfig(group_size=spec.group_size, set_inductor_config=False)
+    return Int4WeightOnlyConfig(
+        group_size=spec.group_size, int4_packing_format="tile_packed_to_4d", set_inductor_config=False
+    )
+
+
+def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] | None = None) -> nn.Module:
+    """Quantize `model`'s projections and head in place (see the module docstring); returns it.
+
+    Every shape is checked before any weight changes: an int4 group must divide each projection's
+    input size, or the model is refused with the sizes and the group sizes that fit.
+    `kept`: GGUF codes by checkpoint weight name (gguf_blocks.py), which int4 projections on the
+    CPU take as they are (`_keep_codes`); elsewhere torchao quantizes their exact values.
+    """
+    config = model.config
+    weight = model.embed_tokens.weight
+    quantized_dtype(spec, weight.dtype)  # refuses a model loaded in float32
+    if spec.bits == 4:
+        sizes = sorted({m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)})
+        fits = [g for g in INT4_GROUP_SIZES if all(size % g == 0 for size in sizes)]
+        if spec.group_size not in fits:
+            raise ConfigError(
+                f"quantize {spec.name!r}: the group size {spec.group_size} must divide every projection's "
+                f"input size, and this model's are {sizes}; "
+                + (f"use {', '.join(f'int4-g{g}' for g in fits)}" if fits else "use int8")
+            )
+    body, head = _torchao_config(spec, weight.device), _torchao_config(QuantSpec(8), weight.device)
+    if model.lm_head is None:  # a tied head: a quantized copy of its own, the embedding stays float
+        model.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=weight.device)
+        model.lm_head.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+    from torchao.quantization import quantize_
+
+    # torchao's tensors give AOT autograd's cache no stable key, and torch says so once a tensor type;
+    # inductor's graph cache still serves a second process (SmolLM2 int8: first token 70 s cold, 8.5 s warm).
+    warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
+    if kept and spec.bits == 4 and weight.device.type == "cpu":
+        _keep_codes(model, kept)
+    else:
+        quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
+    quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
+    model.quantization = spec
+    return model
+
+
+def _keep_codes(model: nn.Module, kept: dict[str, Blocks]) -> None:
+    """Quantize each projection to int4 with the GGUF's own codes, scales and minimums rather than
+    torchao's choice from the float values: a Q4_0/Q4_1 block is one group of the CPU int4 kernel,
+    whose weight is `(q - 8) * scale + zero`, so `scale = d` and `zero = m + 8 d` (rounded to the
+    compute dtype)."""
+    from torchao.prototype.quantization.int4.int4_opaque_tensor import Int4OpaqueTensor
+    from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
+
+    for name, module in model.layers.named_modules(prefix="layers"):
+        if not isinstance(module, nn.Linear):
+            continue
+        owner, _, own_name = name.rpartition(".")
+        parts = [kept[f"{owner}.{part}.weight"] for part in getattr(module, "parts", {own_name: 0})]
+        codes = torch.cat([codes_of(blocks) for blocks in parts]).to(torch.int32)  # [N, K] in 0..15
+        scales = torch.cat([blocks["scales"] for blocks in parts]).float()  # [N, K/32]
+        zeros = torch.cat([blocks["mins"] for blocks in parts]).float() + 8 * scales
+        assert codes.shape == module.weight.shape and scales.shape[1] * BLOCK == codes.shape[1]
+        dtype = module.weight.dtype
+        module.weight = nn.Parameter(
+            Int4OpaqueTensor(
+                qdata=torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1),
+                scale_and_zero=pack_tinygemm_scales_and_zeros(scales.to(dtype), zeros.to(dtype), dtype),
+                block_size=[1, BLOCK],
+                shape=module.weight.shape,
+            ),
+            requires_grad=False,
+        )
+
+
+def plain_tensors(model: nn.Module) -> nn.Module:
+    """A copy of the quantized `model` whose torchao weights are parametrizations over their plain
+    inner tensors (int8 or packed int4 data, scales, zero points; torchao's `unwrap_tensor_subclass`).
+    torch.export then traces the dequantizing matmul from plain constants, which the artifact's
+    safetensors file can hold and AOTInductor loads by name, with no torchao at load time."""
+    import copy
+
+    from torchao.utils import unwrap_tensor_subclass
+
+    return unwrap_tensor_subclass(copy.deepcopy(model))
