@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, as_int, read_json_object
+from .errors import ConfigError, as_int, as_real, read_json_object
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -32,6 +32,27 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+            _check_positive(self, f"rope {name}", name)
+        as_int(self.original_max_position_embeddings, "rope original_max_position_embeddings", 1, ConfigError)
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ConfigError(
+                f"rope high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                f"({self.low_freq_factor}): llama3 scaling blends between them; restore config.json"
+            )
+
+
+def _check_positive(owner: Any, label: str, name: str, zero: bool = False) -> None:
+    """`owner.name` a finite number > 0 (>= 0 with `zero`), or a ConfigError naming it: a zero or
+    negative rope theta, scale or norm epsilon decodes NaN logits, which run as token 0."""
+    value = as_real(getattr(owner, name), label, ConfigError)
+    if not (value >= 0 if zero else value > 0):
+        raise ConfigError(
+            f"{label} is {value}; it must be {'>= 0' if zero else '> 0'} (it would decode NaN logits): "
+            "restore config.json"
+        )
 
 
 @dataclass(frozen=True)
@@ -70,6 +91,10 @@ class ModelConfig:
             raise ConfigError(f"model family {self.family!r} is not supported; staticrt runs {', '.join(FAMILIES)}")
         for name in SIZES:
             object.__setattr__(self, name, as_int(getattr(self, name), name, 1, ConfigError))
+        _check_positive(self, "rms_norm_eps", "rms_norm_eps", zero=True)
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None:
+                _check_positive(self, name, name)
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"hidden_act {self.hidden_act!r} is not implemented; staticrt runs {', '.join(ACTIVATIONS)}, and "

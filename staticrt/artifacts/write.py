@@ -25,18 +25,37 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArtifactError
+from ..errors import ArtifactError, StaticrtError
 from .manifest import MANIFEST, SCHEMA_VERSION, seal, sha256
+
+
+def check_place(target: Path, option: str, way_out: str, error: type[StaticrtError] = ArtifactError) -> None:
+    """Refuse, before any work, a place no folder can be written to as `option`: the current folder
+    or one above it (replacing it would pull the floor from under the process), a link (replaced,
+    it would be left dangling; followed, it would write elsewhere), a file, a path through a file,
+    or a folder this user cannot write in."""
+    cwd = Path.cwd().resolve()
+    if target.name in ("", ".", "..") or target.resolve() in (cwd, *cwd.parents):
+        raise error(f"{option} {str(target)!r} is the current or a parent folder, not a new one; {way_out}")
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        kind = "a symbolic link" if target.is_symlink() else "a file"
+        raise error(f"{option} {target} is {kind}, not a folder; {way_out} or remove the {kind.split()[-1]}")
+    parent = target.parent
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise error(f"{option} {target} lies under {parent}, which is not a folder; {way_out}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise error(f"{option} {target}: this user cannot write in {parent}; {way_out}")
 
 
 def check_target(target: Path) -> None:
     """Refuse, before any export work, a target whose replacement would lose something."""
     target = Path(target)
     way_out = "choose another --out (a new folder, or an artifact folder to replace)"
-    if target.name in ("", ".", "..") or target.resolve() == Path.cwd().resolve():
-        raise ArtifactError(f"--out {str(target)!r} is the current or a parent folder, not a new one; {way_out}")
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
+    if target.is_file() and not target.is_symlink():
         raise ArtifactError(f"--out {target} is a file, not an artifact folder; {way_out} or remove the file")
+    check_place(target, "--out", way_out)
     if not target.is_dir():
         return
     held = sorted(p.relative_to(target).as_posix() for p in target.rglob("*") if not p.is_dir())
@@ -58,16 +77,20 @@ def check_target(target: Path) -> None:
         )
 
 
-def write_folder(target: Path, build: Callable[[Path], None]) -> Path:
+def write_folder(target: Path, build: Callable[[Path], None], error: type[StaticrtError] = ArtifactError) -> Path:
     """Run `build(folder)`, which writes the files into `folder`, and swap the folder into `target`.
 
     Nothing appears at `target` unless `build` finishes; on any failure (SIGTERM included) the
-    partial folder is removed and the error propagates. The caller has checked `target`.
+    partial folder is removed and the error propagates. The caller has checked `target`
+    (`check_place`); a place the file system still refuses is an `error` naming it.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale(target)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(target)
+        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
+    except OSError as err:
+        raise error(f"cannot write {target} ({err.strerror}); choose a folder on a writable disk") from None
     try:
         with _terminate_raises():
             build(work)

@@ -34,6 +34,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     gen = bind(source, args, 1, None)
     options = generate_options(args, source, gen)
     interactive = sys.stdin.isatty()
+    # a line that is not UTF-8 reaches the tokenizer, which refuses it by name: the conversation goes on
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         console.print(f"chatting with {source.name} on {gen.backend.name}; {HELP}")
     messages = list(system)

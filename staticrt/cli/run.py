@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..errors import GenerationError
+from ..text.tokenizer import check_text
 from .console import console
 from .session import bind, generate_options, open_source
 
@@ -23,9 +24,9 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
             "which has none; pass token ids with --prompt-ids 1,2,3 instead"
         )
     if args.chat is None:
-        return [tokenizer.encode(args.prompt)]
-    system = [{"role": "system", "content": args.system}] if args.system is not None else []
-    return [tokenizer.apply_chat_template([*system, {"role": "user", "content": args.chat}])]
+        return [tokenizer.encode(check_text(args.prompt, "--prompt"))]
+    system = [{"role": "system", "content": check_text(args.system, "--system")}] if args.system is not None else []
+    return [tokenizer.apply_chat_template([*system, {"role": "user", "content": check_text(args.chat, "--chat")}])]
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -7,16 +7,30 @@ import argparse
 import os
 from typing import Any
 
+from ..errors import ConfigError
 from .console import console
 from .session import bind, open_source
 
 API_KEY_ENV = "STATICRT_API_KEY"
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else STATICRT_API_KEY, else None (no key); an empty one is refused by name, since
+    it would silently leave the server open."""
+    named, key = ("--api-key", args.api_key) if args.api_key is not None else (API_KEY_ENV, os.environ.get(API_KEY_ENV))
+    if key is not None and not key.strip():
+        raise ConfigError(
+            f"{named} is empty, which would leave the server open to anyone; set a key, or unset it for a "
+            "server without one"
+        )
+    return key
+
+
 def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     """The app and its scheduler over --model or the artifact."""
     from ..serve import serve_backend
 
+    key = api_key(args)
     source = open_source(args)
     backend = bind(source, args, args.max_batch_size, None, args.prefill_buckets).backend
     # a model prefills each prompt alone in a batch-1 twin of the cache; an artifact has one batch size
@@ -27,7 +41,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         args.served_model_name or os.path.basename(os.path.normpath(source.name)),
         source.defaults,
         args.max_queue,
-        args.api_key or os.environ.get(API_KEY_ENV) or None,
+        key,
         prefiller,
         args.stream_interval,
     )

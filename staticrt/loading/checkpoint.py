@@ -208,6 +208,11 @@ def load_model(
     # Kept codes are weights too: their exact values stand in until quantize_weights replaces them.
     state |= {name: gguf_blocks.dequantize(blocks) for name, blocks in kept.items()}
     for name, tensor in state.items():
+        if not tensor.is_floating_point():  # an int8 or bool tensor cast to float would run as other weights
+            raise CheckpointError(
+                f"{folder}: {name} is {str(tensor.dtype).removeprefix('torch.')}, where a weight is floating "
+                "point (float32, float16 or bfloat16); the file is not a float checkpoint: convert it again"
+            )
         state[name] = tensor.to(dtype)  # one at a time: a float32 copy goes as its cast arrives
     config = _head_of(config, state, str(folder))
     with torch.device("meta"):

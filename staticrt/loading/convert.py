@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..artifacts.write import write_folder
-from ..errors import CheckpointError
+from ..artifacts.write import check_place, write_folder
+from ..errors import CheckpointError, first_line
 from ..models import gguf_blocks
 
 EXTRA = "pip install 'staticrt[gguf]'"
@@ -33,6 +33,26 @@ def _require_extra() -> None:
             missing.append(module)
     if missing:
         raise CheckpointError(f"staticrt convert needs {', '.join(missing)} (the gguf extra): {EXTRA}")
+
+
+def _check_gguf(source: Path) -> None:
+    """Refuse, before transformers reads it, a file that is not a whole GGUF: empty, another
+    format, or cut short (its header names more tensor data than the file holds)."""
+    import gguf
+
+    with source.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(
+            f"{source} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a llama.cpp .gguf file"
+        )
+    try:
+        gguf.GGUFReader(str(source))
+    except Exception as err:  # gguf raises ValueError, struct.error, IndexError ... on a cut file
+        raise CheckpointError(
+            f"{source} cannot be read as GGUF ({type(err).__name__}: {first_line(err)}); the file is truncated "
+            "or corrupt: download it again"
+        ) from None
 
 
 def _kept_projections(source: Path) -> tuple[str, dict[str, Any]]:
@@ -100,9 +120,11 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
     source, target = Path(source), Path(target)
     if not source.is_file() or source.suffix != ".gguf":
         raise CheckpointError(f"{source} is not a .gguf file; pass the path of one (e.g. model.Q4_K_M.gguf)")
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+    check_place(target, "the output", "choose a new output folder", CheckpointError)
+    if target.exists() and any(target.iterdir()):
         raise CheckpointError(f"{target} exists and is not an empty folder; choose a new output folder")
     _require_extra()
+    _check_gguf(source)
     spec, projections = _kept_projections(source) if keep_quantized else (None, {})
     import torch
     import transformers
@@ -131,4 +153,4 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
         model.config.save_pretrained(work)
         model.generation_config.save_pretrained(work)
 
-    return write_folder(target, build)
+    return write_folder(target, build, CheckpointError)

@@ -62,6 +62,11 @@ def chunk_widths(prefiller: Any) -> tuple[int, ...]:
     return tuple(w for w in prefiller.buckets if limit is None or largest + w <= limit)
 
 
+# Seconds uvicorn waits past the drain for the answers it ended (503, or an error event and
+# [DONE]) to reach their clients, before it cancels what is still open.
+SEND_GRACE_S = 5.0
+
+
 def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, log_level: str = "info") -> None:
     """Serve `app` until SIGINT or SIGTERM; then admit nothing new, let open requests finish for up
     to `drain_s` seconds, and stop (requests still running then end with 503). The scheduler
@@ -73,10 +78,11 @@ def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, l
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
                 logging.getLogger("staticrt").info("stopping: no new requests; open ones have %g s to finish", drain_s)
-            scheduler.stop_admitting()
+                threading.Thread(target=scheduler.drain, args=(drain_s,), name="staticrt-drain", daemon=True).start()
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_s, log_level=log_level)
+    grace = drain_s + SEND_GRACE_S
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace, log_level=log_level)
     server = Draining(config)
 
     def serve_http() -> None:

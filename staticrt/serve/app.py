@@ -20,8 +20,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..errors import GenerationError
-from .protocol import BadRequest, Limits, Reply, chat_prompt, completion_prompt, completion_request, error_body
+from ..errors import ConfigError, GenerationError
+from .protocol import (
+    BadRequest,
+    Limits,
+    Reply,
+    chat_prompt,
+    check_fields,
+    completion_prompt,
+    completion_request,
+    error_body,
+)
 from .scheduler import Event, NotAdmitting, QueueFull, Scheduler
 
 MAX_BODY = 1 << 20  # bytes; a prompt of the longest context is far below it
@@ -77,6 +86,8 @@ def create_app(
         yield
         scheduler.stop()
 
+    if api_key is not None and not api_key:  # "" would compare equal to an empty Bearer header
+        raise ConfigError("the API key is empty, which would leave the server open; pass a key, or None for no key")
     app = FastAPI(title="staticrt", lifespan=lifespan)
     scheduler.metrics.rows.set(len(scheduler.rows))
 
@@ -111,27 +122,26 @@ def create_app(
 async def _complete(
     request: Request, scheduler: Scheduler, limits: Limits, max_body: int, stream_interval: int, chat: bool
 ) -> Response:
-    """Check the body, queue its job, and answer whole or as a stream of events."""
-    raw = await request.body()
-    if len(raw) > max_body:
-        return _error(413, f"the request body is {len(raw)} bytes; the limit is {max_body}")
-    try:
-        body = json.loads(raw)
-        if not isinstance(body, dict):
-            raise ValueError("not an object")
-    except ValueError as err:
-        return _error(400, f"the body is not a JSON object ({err})")
+    """Check the body, queue its job, and answer whole or as a stream of events. Everything a
+    request sends is checked before its job exists; parsing, templating and tokenising run in a
+    worker thread, so a megabyte of prompt never holds up the event loop's other clients."""
+    raw = bytearray()
+    async for piece in request.stream():  # counted as it arrives: a chunked body has no content-length
+        raw += piece
+        if len(raw) > max_body:
+            return _error(413, f"the request body is over {max_body} bytes, the limit; send less")
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(event: Event) -> None:  # on the stepping thread
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: the server is gone, and so is the client
+            pass
+
     try:
-        tokenizer = scheduler.tokenizer
-        prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, limits.vocab_size)
-        interval = stream_interval if body.get("stream") else 0  # a whole answer: one event at its end
-        job = scheduler.submit(
-            completion_request(body, prompt, limits, chat),
-            lambda e: loop.call_soon_threadsafe(events.put_nowait, e),
-            interval,
-        )
+        stream, usage, completion = await asyncio.to_thread(_parse, bytes(raw), scheduler.tokenizer, limits, chat)
+        job = scheduler.submit(completion, emit, stream_interval if stream else 0)  # whole: one event at its end
     except BadRequest as err:
         return _error(400, str(err), err.param)
     except GenerationError as err:
@@ -141,14 +151,26 @@ async def _complete(
     except NotAdmitting as err:
         return _error(503, str(err))
     reply = Reply(limits.model, chat)
-    if body.get("stream"):
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    if stream:
         return StreamingResponse(_stream(job, events, reply, usage), media_type="text/event-stream")
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
         return await _whole(events, reply)
     finally:
         watcher.cancel()
+
+
+def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> tuple[bool, bool, Any]:
+    """Whether to stream (and send usage) and the checked request, from the raw body: BadRequest on any fault."""
+    try:
+        body = json.loads(raw)
+    except ValueError as err:  # UnicodeDecodeError included
+        raise BadRequest(f"the body is not JSON ({err})") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body is a JSON {type(body).__name__}; send an object")
+    stream, usage = check_fields(body)
+    prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, limits.vocab_size)
+    return stream, usage, completion_request(body, prompt, limits, chat)
 
 
 async def _watch_disconnect(request: Request, job: Any) -> None:

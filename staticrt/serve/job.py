@@ -13,6 +13,10 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..generation.loop import SamplingParams, chunk_end, validate_request
+from ..text.stop_strings import StopStrings
+
+# OpenAI's limit on stop strings a request; each string's length bounds the text held back for it
+MAX_STOPS, MAX_STOP_CHARS = 4, 1024
 
 
 @dataclass(frozen=True)
@@ -26,11 +30,28 @@ class Completion:
     stop: tuple[str, ...] = ()  # stop strings: the text ends before the first one
 
 
-def check_request(backend: Any, tokenizer: Any, request: Completion) -> None:
-    """Every limit a request must keep on `backend`, checked before it is queued."""
+def check_stops(stops: Any) -> tuple[str, ...]:
+    """`stops` as a tuple of at most MAX_STOPS strings of 1 to MAX_STOP_CHARS characters each."""
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise GenerationError(f"stop is {type(stops).__name__}; send a string or a list of up to {MAX_STOPS} strings")
+    if len(stops) > MAX_STOPS:
+        raise GenerationError(f"stop holds {len(stops)} strings; at most {MAX_STOPS}: send fewer")
+    for s in stops:
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise GenerationError(
+                f"a stop string has {len(s)} characters; each needs 1 to {MAX_STOP_CHARS}: "
+                f"{'drop it' if not s else 'shorten it'}"
+            )
+    return tuple(stops)
+
+
+def check_request(backend: Any, tokenizer: Any, request: Completion) -> Completion:
+    """Every limit a request must keep on `backend`, checked before it is queued; the request as
+    the stepping thread may run it (plain numbers in range: a top_k past the vocabulary is 0)."""
     checked = validate_request(
         backend, [request.prompt], request.max_tokens, request.sampling, request.stop_token_ids, chunked=True
     )
+    check_stops(request.stop)
     if not backend.row_positions and len(request.prompt) > backend.buckets[-1]:
         raise GenerationError(
             f"the prompt has {len(request.prompt)} tokens, beyond the largest prefill bucket "
@@ -47,6 +68,9 @@ def check_request(backend: Any, tokenizer: Any, request: Completion) -> None:
             f"{backend.buckets[-1]}, and the last chunk's bucket reaches position {end}, beyond "
             f"max_cache_len={limit}; shorten the prompt or {backend.remedy('max_cache_len')}"
         )
+    return Completion(
+        checked.rows[0], checked.max_new_tokens, checked.sampling, tuple(sorted(checked.stops)), tuple(request.stop)
+    )
 
 
 @dataclass
@@ -84,6 +108,10 @@ class Job:
     tokens_sent: int = 0  # of `tokens`, those already emitted
     created_at: float = field(default_factory=time.perf_counter)
     last_at: float = 0.0
+    stops: StopStrings | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stops = StopStrings(self.request.stop) if self.request.stop else None
 
     @property
     def position(self) -> int:
@@ -101,23 +129,26 @@ class Job:
         request = self.request
         self.tokens.append(token)
         reason = "stop" if token in request.stop_token_ids else None
-        if request.stop and not self.text_final:
-            self._read()
-            cut = min((i for i in (self.text.find(s) for s in request.stop) if i >= 0), default=-1)
-            if cut >= 0:
+        if self.stops is not None and not self.text_final:
+            cut = self._read()
+            if cut is not None:
                 self.text, self.text_final, reason = self.text[:cut], True, "stop"
         if reason is None and len(self.tokens) == request.max_tokens:
             reason = "length"
         return reason
 
-    def _read(self, last: bool = False) -> None:
-        """Bring `text` up to the newest token (`last`: with the characters still held back)."""
+    def _read(self, last: bool = False) -> int | None:
+        """Bring `text` up to the newest token (`last`: with the characters still held back);
+        where a stop string starts in it, if the new text completed one."""
         if self.stream is None or self.text_final:
-            return
-        self.text += self.stream.push(*self.tokens[self.tokens_read :])
+            return None
+        piece = self.stream.push(*self.tokens[self.tokens_read :])
         self.tokens_read = len(self.tokens)
+        cut = None if self.stops is None else self.stops.feed(piece)
+        self.text += piece
         if last:
             self.text, self.text_final = self.text + self.stream.flush(), True
+        return cut
 
     def due(self, last: bool) -> Event | None:
         """The `token` event to send now, holding the tokens not yet sent and the text they let
@@ -130,8 +161,7 @@ class Job:
         if not (last or first or (self.interval and waiting >= self.interval)):
             return None
         self._read(last)
-        stops = () if last else self.request.stop
-        hold = max((n for s in stops for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])), default=0)
+        hold = 0 if last or self.stops is None else self.stops.held
         start, self.sent = self.sent, max(len(self.text) - hold, self.sent)
         event = Event("token", tokens=self.tokens[self.tokens_sent :], text=self.text[start : self.sent])
         self.tokens_sent = len(self.tokens)

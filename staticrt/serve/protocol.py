@@ -17,7 +17,28 @@ from typing import Any
 from ..errors import StaticrtError
 from ..generation.loop import SamplingParams
 from ..text.generation_config import GenerationDefaults
+from ..text.tokenizer import check_text
+from .job import check_stops
 from .scheduler import Completion
+
+# OpenAI fields staticrt does not implement, with the values that ask for nothing: any other value
+# is refused by name, since ignoring it would answer something other than what was asked.
+UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class BadRequest(StaticrtError):
@@ -48,7 +69,7 @@ def _number(body: dict, name: str, low: float, high: float, default: float, low_
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise BadRequest(f"{name} is {value!r}; it must be a number", name)
+        raise BadRequest(f"{name} is {_shown(value)}; it must be a number", name)
     if not (low < value if low_open else low <= value) or value > high:
         bracket = "(" if low_open else "["
         raise BadRequest(f"{name} is {value}; it must be in {bracket}{low}, {high}]", name)
@@ -60,17 +81,55 @@ def _integer(body: dict, name: str, low: int, default: int | None) -> int | None
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise BadRequest(f"{name} is {value!r}; it must be an integer >= {low}", name)
+        raise BadRequest(f"{name} is {_shown(value)}; it must be an integer >= {low}", name)
     return value
 
 
 def _token_list(value: Any, name: str, vocab: int) -> list[int]:
-    if not value or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise BadRequest(f"{name} must be a non-empty string or list of token ids", name)
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        raise BadRequest(f"{name} must be a non-empty list of token ids", name)
     bad = [t for t in value if not 0 <= t < vocab]
     if bad:
         raise BadRequest(f"{name} holds token id(s) {bad[:5]} outside the vocabulary [0, {vocab})", name)
     return list(value)
+
+
+def _shown(value: Any) -> str:
+    """A client's value for an error message, cut short: a message never echoes a megabyte back."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(value: str, name: str) -> str:
+    try:
+        return check_text(value, name)
+    except StaticrtError as err:
+        raise BadRequest(str(err), name) from None
+
+
+def check_fields(body: dict) -> tuple[bool, bool]:
+    """The fields staticrt cannot honour refused by name; `stream` and `stream_options.include_usage`."""
+    for name, harmless in UNSUPPORTED.items():
+        if name in body and not any(body[name] == h and type(body[name]) is type(h) for h in harmless):
+            raise BadRequest(
+                f"{name} is {_shown(body[name])}: staticrt serve does not implement it, and ignoring it would "
+                "answer something else than asked; leave it out",
+                name,
+            )
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"stream is {_shown(stream)}; it must be true or false", "stream")
+    if options is not None and (
+        not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)
+    ):
+        raise BadRequest(
+            f'stream_options is {options!r}; it must be an object like {{"include_usage": true}}', "stream_options"
+        )
+    return bool(stream), bool((options or {}).get("include_usage"))
 
 
 def completion_prompt(body: dict, tokenizer: Any, vocab: int) -> list[int]:
@@ -85,7 +144,7 @@ def completion_prompt(body: dict, tokenizer: Any, vocab: int) -> list[int]:
             )
         if not prompt:
             raise BadRequest("prompt is empty", "prompt")
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(_text(prompt, "prompt"))
     if isinstance(prompt, list):
         return _token_list(prompt, "prompt", vocab)
     raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
@@ -107,7 +166,7 @@ def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        plain.append({"role": message["role"], "content": content})
+        plain.append({"role": _text(message["role"], "messages"), "content": _text(content, "messages")})
     if tokenizer is None:
         raise BadRequest("chat needs the model's tokenizer.json and chat template, which it has none of", "messages")
     try:
@@ -145,14 +204,15 @@ def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool
     top_k = _integer(body, "top_k", 0, own["top_k"])
     seed = _integer(body, "seed", 0, None)
     stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop must be a non-empty string or a list of up to 4 of them", "stop")
-    stop_ids = body.get("stop_token_ids") or []
-    if stop_ids:
-        _token_list(stop_ids, "stop_token_ids", limits.vocab_size)
+    try:
+        stop = check_stops([stop] if isinstance(stop, str) else [] if stop is None else stop)
+    except StaticrtError as err:
+        raise BadRequest(str(err), "stop") from None
+    stop = tuple(_text(s, "stop") for s in stop)
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids in (None, []) else _token_list(stop_ids, "stop_token_ids", limits.vocab_size)
     sampling = SamplingParams(temperature > 0, temperature if temperature > 0 else 1.0, top_k, top_p, seed)
-    return Completion(prompt, max_tokens, sampling, tuple(limits.eos_token_ids) + tuple(stop_ids), tuple(stop))
+    return Completion(prompt, max_tokens, sampling, tuple(limits.eos_token_ids) + tuple(stop_ids), stop)
 
 
 class Reply:

@@ -78,13 +78,15 @@ class Scheduler:
     def submit(self, request: Completion, emit: Callable[[Event], None], interval: int = 1) -> Job:
         """Queue `request` (checked first: GenerationError names what is wrong with it); its
         tokens go to `emit` `interval` at a time (the first at once; 0: all with the last)."""
-        check_request(self.backend, self.tokenizer, request)
+        request = check_request(self.backend, self.tokenizer, request)
         with self.cond:
             if not self.admitting:
                 raise NotAdmitting("the server is shutting down and takes no new requests; retry on another replica")
-            if len(self.waiting) >= self.max_queue:
+            # the waiting jobs take the free rows first; the queue holds what is left over
+            queued = len(self.waiting) - sum(job is None for job in self.rows)
+            if queued >= self.max_queue:
                 raise QueueFull(
-                    f"all {len(self.rows)} rows are busy and {len(self.waiting)} requests wait (--max-queue "
+                    f"all {len(self.rows)} rows are busy and {queued} requests wait (--max-queue "
                     f"{self.max_queue}); retry shortly"
                 )
             rng = np.random.default_rng(request.sampling.seed)
@@ -111,9 +113,15 @@ class Scheduler:
         ready()
         self._loop()
 
-    def stop_admitting(self) -> None:
+    def drain(self, seconds: float) -> None:
+        """Admit nothing new, let the open requests finish for up to `seconds`, then stop: what
+        is still open gets 503 (a whole answer) or an error event and `[DONE]` (a stream)."""
+        deadline = time.monotonic() + seconds
         with self.cond:
             self.admitting = False
+            while (self.busy_rows or self.waiting) and not self.stopped and time.monotonic() < deadline:
+                self.cond.wait(min(0.05, max(deadline - time.monotonic(), 0)))
+        self.stop()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop stepping; requests still queued or running are told the server stopped (503)."""
@@ -138,23 +146,28 @@ class Scheduler:
                 if self.stopped:
                     self._fail_all(503, "the server stopped before this request finished")
                     return
-            plan = self._plan()
+            plan = None
             try:
+                plan = self._plan()
                 next_ids = plan.backend.step(*plan.inputs)
                 if plan.adopt is not None:
                     self.backend.adopt_row(plan.adopt.row, self.prefiller, plan.slot[plan.adopt])
-            except Exception as err:  # a failed step fails its own rows; the server keeps serving
+                self._advance(plan, next_ids)
+            except Exception as err:  # a failed step fails its own rows (all, if planning failed); serving goes on
                 message = f"the step failed: {type(err).__name__}: {err}"
-                for job in plan.members:
-                    self._finish(job, Event("error", status=500, message=message))
-                continue
-            self._advance(plan, next_ids)
+                members = plan.members if plan is not None else list(filter(None, self.rows))
+                for job in members:
+                    if job.row is not None and self.rows[job.row] is job:  # not finished before the error
+                        self._finish(job, Event("error", status=500, message=message))
 
     def _admit(self) -> None:
         """Drop cancelled jobs (queued or in a row) and fill free rows from the queue (holding the lock)."""
         for job in self.rows:
             if job is not None and job.cancelled:
                 self._free(job, "cancelled")
+        for job in self.waiting:
+            if job.cancelled:  # its client left before it had a row
+                self.metrics.finished.labels("cancelled").inc()
         self.waiting = deque(j for j in self.waiting if not j.cancelled)
         if self.backend.row_positions:
             for r in range(len(self.rows)):
@@ -280,6 +293,7 @@ class Scheduler:
     def _finish(self, job: Job, event: Event) -> None:
         with self.cond:
             self._free(job, event.finish_reason or "error")
+            self.cond.notify_all()  # a drain waits for the rows to empty
         job.emit(event)
 
     def _free(self, job: Job, outcome: str) -> None:

@@ -26,7 +26,13 @@ def read_chat_template(folder: Path) -> str | None:
     (a string, or a list of named templates of which "default" is taken); None when it has none."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text()
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise CheckpointError(
+                f"{jinja} is not UTF-8 text (byte {err.start} is {jinja.read_bytes()[err.start]:#04x}); "
+                "restore the checkpoint's chat_template.jinja"
+            ) from None
     template = read_tokenizer_config(folder).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -87,3 +93,8 @@ def render_chat(
         )
     except TemplateError as err:
         raise GenerationError(f"the chat template of {source} refused the conversation: {err}") from None
+    except Exception as err:  # the template's own code failed (a None added to a string, say): still its refusal
+        raise GenerationError(
+            f"the chat template of {source} failed on the conversation ({type(err).__name__}: {err}); check the "
+            "messages' roles and order against what the template expects"
+        ) from None

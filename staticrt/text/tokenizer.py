@@ -13,23 +13,45 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, first_line
+from ..errors import CheckpointError, GenerationError, first_line
 from .chat_template import Message, read_chat_template, read_tokenizer_config, render_chat
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
-class Tokenizer:
-    """tokenizer.json with the chat template and special tokens of tokenizer_config.json."""
+def check_text(text: str, name: str = "the text") -> str:
+    """`text`, or a GenerationError where it holds a lone surrogate: bytes that were not UTF-8 (a
+    command line or a pipe read with surrogateescape, JSON's unpaired "\\ud800"), which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise GenerationError(
+            f"{name} is not valid UTF-8 (character {err.start} is a lone surrogate, {text[err.start]!r}); "
+            "send UTF-8 text"
+        ) from None
+    return text
 
-    def __init__(self, backend: Any, chat_template: str | None, special_tokens: dict[str, str], source: str) -> None:
+
+class Tokenizer:
+    """tokenizer.json with the chat template and special tokens of tokenizer_config.json. A template
+    that cannot be read fails the chats that need it (`template_error`), not the plain prompts."""
+
+    def __init__(
+        self,
+        backend: Any,
+        chat_template: str | None,
+        special_tokens: dict[str, str],
+        source: str,
+        template_error: CheckpointError | None = None,
+    ) -> None:
         self.backend = backend  # a tokenizers.Tokenizer
         self.chat_template = chat_template
         self.special_tokens = special_tokens
         self.source = source
+        self.template_error = template_error
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode(check_text(text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -39,6 +61,8 @@ class Tokenizer:
     ) -> list[int] | str:
         """The conversation rendered by the checkpoint's template: its token ids (the template holds
         the special tokens, so none are added, as in transformers), or with `tokenize=False` its text."""
+        if self.template_error is not None:
+            raise self.template_error
         text = render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, self.source)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -94,4 +118,8 @@ def load_tokenizer(folder: Path) -> Tokenizer | None:
         value = value.get("content") if isinstance(value, dict) else value  # an AddedToken's dict form
         if isinstance(value, str):
             special[name] = value
-    return Tokenizer(backend, read_chat_template(Path(folder)), special, str(folder))
+    try:
+        template, unreadable = read_chat_template(Path(folder)), None
+    except CheckpointError as err:
+        template, unreadable = None, err
+    return Tokenizer(backend, template, special, str(folder), unreadable)
