@@ -258,7 +258,7 @@ def test_a_drain_that_runs_out_answers_503_and_ends_streams_with_an_error_and_do
             waiter.start()
             while scheduler.busy_rows < 2:
                 time.sleep(0.01)
-            scheduler.drain(0.2)
+            scheduler.stop(drain_s=0.2)
             events = [line for line in (first, *lines) if line]
         waiter.join(30)
         refused = post(url, body)

@@ -78,7 +78,7 @@ def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, l
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
                 logging.getLogger("staticrt").info("stopping: no new requests; open ones have %g s to finish", drain_s)
-                threading.Thread(target=scheduler.drain, args=(drain_s,), name="staticrt-drain", daemon=True).start()
+                threading.Thread(target=scheduler.stop, args=(drain_s,), name="staticrt-drain", daemon=True).start()
             super().handle_exit(sig, frame)
 
     grace = drain_s + SEND_GRACE_S

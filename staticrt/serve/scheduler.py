@@ -89,10 +89,8 @@ class Scheduler:
                     f"all {len(self.rows)} rows are busy and {queued} requests wait (--max-queue "
                     f"{self.max_queue}); retry shortly"
                 )
-            rng = np.random.default_rng(request.sampling.seed)
-            job = Job(request, emit, next(self.counter), interval=interval, rng=rng)
-            if self.tokenizer is not None:
-                job.stream = self.tokenizer.stream()
+            job = Job(request, emit, next(self.counter), interval, rng=np.random.default_rng(request.sampling.seed))
+            job.stream = None if self.tokenizer is None else self.tokenizer.stream()
             self.waiting.append(job)
             self.metrics.queue.set(len(self.waiting))
             self.cond.notify()
@@ -113,20 +111,15 @@ class Scheduler:
         ready()
         self._loop()
 
-    def drain(self, seconds: float) -> None:
-        """Admit nothing new, let the open requests finish for up to `seconds`, then stop: what
-        is still open gets 503 (a whole answer) or an error event and `[DONE]` (a stream)."""
-        deadline = time.monotonic() + seconds
+    def stop(self, drain_s: float = 0.0, timeout: float = 30.0) -> None:
+        """Admit nothing new, let open requests finish for up to `drain_s` seconds, then stop
+        stepping: what is still open gets 503 (a stream: an error event, then `[DONE]`)."""
+        deadline = time.monotonic() + drain_s
         with self.cond:
             self.admitting = False
             while (self.busy_rows or self.waiting) and not self.stopped and time.monotonic() < deadline:
                 self.cond.wait(min(0.05, max(deadline - time.monotonic(), 0)))
-        self.stop()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop stepping; requests still queued or running are told the server stopped (503)."""
-        with self.cond:
-            self.admitting, self.stopped = False, True
+            self.stopped = True
             self.cond.notify()
         if self.thread.is_alive():
             self.thread.join(timeout)
@@ -155,19 +148,17 @@ class Scheduler:
                 self._advance(plan, next_ids)
             except Exception as err:  # a failed step fails its own rows (all, if planning failed); serving goes on
                 message = f"the step failed: {type(err).__name__}: {err}"
-                members = plan.members if plan is not None else list(filter(None, self.rows))
-                for job in members:
-                    if job.row is not None and self.rows[job.row] is job:  # not finished before the error
-                        self._finish(job, Event("error", status=500, message=message))
+                members = plan.members if plan is not None else self.rows
+                for job in [j for j in members if j is not None and self.rows[j.row] is j]:  # not yet finished
+                    self._finish(job, Event("error", status=500, message=message))
 
     def _admit(self) -> None:
         """Drop cancelled jobs (queued or in a row) and fill free rows from the queue (holding the lock)."""
         for job in self.rows:
             if job is not None and job.cancelled:
                 self._free(job, "cancelled")
-        for job in self.waiting:
-            if job.cancelled:  # its client left before it had a row
-                self.metrics.finished.labels("cancelled").inc()
+        gone = sum(job.cancelled for job in self.waiting)  # clients that left before they had a row
+        self.metrics.finished.labels("cancelled").inc(gone)
         self.waiting = deque(j for j in self.waiting if not j.cancelled)
         if self.backend.row_positions:
             for r in range(len(self.rows)):
