@@ -12,7 +12,8 @@ SIGTERM. Needs the `gguf` extra (gguf, transformers, accelerate).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -153,4 +154,29 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
         model.config.save_pretrained(work)
         model.generation_config.save_pretrained(work)
 
-    return write_folder(target, build, CheckpointError)
+    with _quiet():
+        return write_folder(target, build, CheckpointError)
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' conversion without its tqdm bars (drawn mid-line under our stages) and
+    torchao's import noise. Its GGUF reader calls tqdm itself, past transformers' switch for bars,
+    and tqdm reads its environment once, at import: that reader's tqdm is swapped for the block."""
+    import functools
+
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from ..models.quantize import quiet_imports
+
+    bars, reader_tqdm = transformers.utils.logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    transformers.utils.logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(reader_tqdm, disable=True)
+    try:
+        with quiet_imports():
+            yield
+    finally:
+        gguf_utils.tqdm = reader_tqdm
+        if bars:
+            transformers.utils.logging.enable_progress_bar()

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -46,23 +48,31 @@ def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.
     return dtype
 
 
-def _torchao_config(spec: QuantSpec, device: torch.device) -> object:
-    """torchao's config for `spec` on `device`."""
-    # On import torchao logs a line for each optional CUDA library it cannot load, and torch one
-    # for each of its enums; none of them is the user's concern.
+@contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Imports of torchao (directly, or through transformers) without their noise: torchao logs a
+    line for each optional CUDA library it cannot load, and torch one for each of its enums; none
+    of them is the user's concern."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
     pytree_log = logging.getLogger("torch.utils._pytree")
     level = pytree_log.level
     pytree_log.setLevel(logging.ERROR)
     try:
-        from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+        yield
+    finally:
+        pytree_log.setLevel(level)
+
+
+def _torchao_config(spec: QuantSpec, device: torch.device) -> object:
+    """torchao's config for `spec` on `device`."""
+    try:
+        with quiet_imports():
+            from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+            from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
     except ImportError as err:
         raise ConfigError(
             f"quantize {spec.name!r} needs torchao ({err}); install it with: pip install 'staticrt[quant]'"
         ) from None
-    finally:
-        pytree_log.setLevel(level)
     # set_inductor_config=False: torchao would otherwise change inductor's global settings.
     if spec.bits == 8:
         return Int8WeightOnlyConfig(set_inductor_config=False)
