@@ -68,7 +68,11 @@ def add_quantize_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", required=required, help="preset name or Hugging Face checkpoint folder")
+    p.add_argument(
+        "--model",
+        required=required,
+        help="preset name, Hugging Face checkpoint folder, or a .gguf file (converted once into the cache)",
+    )
     p.add_argument(
         "--dtype",
         default=None,

@@ -22,9 +22,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "[yellow]transformers is not installed: skipping the hf backend (pip install 'staticrt[hf]')[/]"
             )
             backends.remove("hf")
+    from ..loading.gguf_folders import local_checkpoint
+
     with progress("benchmarking") as update:
         report = run_bench(
-            args.model,
+            str(local_checkpoint(args.model)),  # every contender reads the folder a .gguf converts into
             backends,
             new_tokens=args.new_tokens,
             prompt_len=args.prompt_len,

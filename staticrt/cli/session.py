@@ -53,11 +53,13 @@ def open_source(args: argparse.Namespace) -> Source:
     if not args.model:
         raise GenerationError("say what to run: --model PRESET_OR_FOLDER, or an artifact folder")
     from ..loading.checkpoint import load_model
+    from ..loading.gguf_folders import local_checkpoint
     from ..models.presets import PRESETS
 
     device = model_device(args.device, args.backend)
-    model = load_model(args.model, dtype=args.dtype, device=device, quantize=args.quantize)
-    defaults = GenerationDefaults() if args.model in PRESETS else read_generation_defaults(args.model)
+    folder = local_checkpoint(args.model)  # a .gguf file: the folder it converts into once
+    model = load_model(folder, dtype=args.dtype, device=device, quantize=args.quantize)
+    defaults = GenerationDefaults() if args.model in PRESETS else read_generation_defaults(folder)
     return Source(args.model, model, None, model.tokenizer, defaults)
 
 

@@ -24,6 +24,7 @@ from ..models.quantize import quantize_weights, quantized_dtype
 from ..rope import inverse_frequencies
 from ..text.generation_config import read_generation_defaults
 from ..text.tokenizer import load_tokenizer
+from .gguf_folders import local_checkpoint
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 DEVICE_TYPES = ("cpu", "cuda")
@@ -139,7 +140,8 @@ def load_state_dict_checked(model: Decoder, state: dict[str, torch.Tensor], sour
 
 def load_config(path_or_preset: str | Path) -> ModelConfig:
     """The architecture of a preset or a checkpoint folder, without reading any weights (what
-    `inspect` needs for a checkpoint of any size)."""
+    `inspect` needs for a checkpoint of any size). A `.gguf` file is converted once (gguf_folders.py)."""
+    path_or_preset = local_checkpoint(path_or_preset)
     name = str(path_or_preset)
     if name in PRESETS:
         return PRESETS[name]
@@ -184,9 +186,11 @@ def load_model(
 
     `quantize` ("int8", "int4", "int4-g64", ...; see `staticrt.models.quantize`) stores the projections
     and head in fewer bytes with torchao; the model then computes in bfloat16 unless `dtype` says
-    float16. `dtype` defaults to float32 for a float model. `device`: cpu, cuda or cuda:N.
+    float16. `dtype` defaults to float32 for a float model. `device`: cpu, cuda or cuda:N. A
+    `.gguf` file loads from the folder it converts into once (`staticrt.loading.gguf_folders`).
     """
     device = checked_device(device)
+    path_or_preset = local_checkpoint(path_or_preset)
     spec = parse_quantize(quantize)
     config = load_config(path_or_preset)
     stored = stored_quantization(path_or_preset)
