@@ -47,3 +47,6 @@ class ArtifactBackend:
     def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> float:
         """Nothing to build: the programs were compiled at export and loaded with the artifact."""
         return 0.0
+
+    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> int:
+        return 0

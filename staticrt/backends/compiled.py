@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import GenerationError
+from ..generation import builds
 from ..generation.loop import SamplingParams
 from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice
 from .guards import code_past_guards
@@ -156,16 +157,15 @@ class CompiledBackend(EagerBackend):
         writes only K/V that `reset` and the prefill replace), and say so in the log: a 30-layer
         model takes minutes on a CPU. `candidates` > 0: the graphs of a beam step (`beam_step`)."""
         spent, batch, choice = 0.0, self.batch_size, step_choice(do_sample, candidates)
-        limit = self.max_sequence_len
-        keys = [(width, choice, width > 1) for width in widths]  # at position 0 a prefill starts fresh
-        if continuing:  # and from position 1, where a continuing step of that width fits
-            keys += [(w, choice, False) for w in widths if w > 1 and (limit is None or w < limit)]
-        for key in keys:
-            if key in self._built:
-                continue
+        todo = self._unbuilt_keys(widths, choice, continuing)
+        count = builds.current(len(todo))
+        for key in todo:
             width, _, fresh = key
             name, began = graph_name(*key), time.perf_counter()
-            log.info("compiling the %s step graph (first use; later generations reuse it) ...", name)
+            log.info(
+                "compiling the %s step graph, %s (first use; later generations reuse it%s) ...",
+                *(name, count.number, count.left),
+            )
             write_index = np.full(batch, 0 if fresh or width == 1 else 1, dtype=np.int64)
             ones = np.ones(batch, dtype=np.int64)
             uniforms = np.zeros(batch, dtype=np.float32) if do_sample else None
@@ -173,8 +173,20 @@ class CompiledBackend(EagerBackend):
             self.run(choice, inputs, write_index, ones, SamplingParams(do_sample), uniforms)
             self._built.add(key)
             spent += time.perf_counter() - began
+            count.finished(time.perf_counter() - began)
             log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
         return spent
+
+    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> int:
+        """How many graphs `prepare` with these arguments would build."""
+        return len(self._unbuilt_keys(widths, step_choice(do_sample, candidates), continuing))
+
+    def _unbuilt_keys(self, widths: Sequence[int], choice: str, continuing: bool) -> list[tuple[int, str, bool]]:
+        limit = self.max_sequence_len
+        keys = [(width, choice, width > 1) for width in widths]  # at position 0 a prefill starts fresh
+        if continuing:  # and from position 1, where a continuing step of that width fits
+            keys += [(w, choice, False) for w in widths if w > 1 and (limit is None or w < limit)]
+        return [key for key in dict.fromkeys(keys) if key not in self._built]
 
     def freezes(self, seq_len: int) -> bool:
         """Whether a graph of width `seq_len` compiles with frozen, oneDNN-packed weights

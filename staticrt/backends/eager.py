@@ -148,6 +148,9 @@ class EagerBackend:
         """Nothing to build: eager runs the step as it is."""
         return 0.0
 
+    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> int:
+        return 0
+
     def remedy(self, limit: str) -> str:
         """The Generator's own argument raises each limit."""
         return f"build the Generator with a larger {'bucket in ' if limit == 'prefill_buckets' else ''}{limit}"

@@ -70,6 +70,9 @@ class StepBackend(Protocol):
         `continuing`: also multi-token steps of rows that hold tokens already (a server's chunked
         prompts, a prefill beside decoding rows), which run graphs of their own (`starts_fresh`)."""
 
+    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> int:
+        """How many graphs `prepare` with these arguments would build (a start-up counts them all first)."""
+
     def report(self) -> dict[str, Any]:
         """What a benchmark reads off the backend after its runs (cache bytes, graph GPU time)."""
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import GenerationError
+from ..generation.builds import counting
 from ..text.generation_config import GenerationDefaults
 
 
@@ -41,13 +42,16 @@ def serve_backend(
             f"serving needs the serve extra ({err.name} is missing): pip install 'staticrt[serve]'"
         ) from None
     defaults = defaults or GenerationDefaults()
+    plan = []  # (backend, widths, do_sample, continuing): every graph serving needs, greedy and sampling
     for do_sample in (False, True):
         if prefiller is None:
-            backend.prepare((*backend.buckets, 1), do_sample, continuing=True)
+            plan.append((backend, (*backend.buckets, 1), do_sample, True))
         else:
-            backend.prepare((1,), do_sample)
-            prefiller.prepare(prefiller.buckets, do_sample)
-            prefiller.prepare(chunk_widths(prefiller), do_sample, continuing=True)
+            plan += [(backend, (1,), do_sample, False), (prefiller, prefiller.buckets, do_sample, False)]
+            plan.append((prefiller, chunk_widths(prefiller), do_sample, True))
+    with counting(sum(b.unbuilt(w, s, continuing=c) for b, w, s, c in plan)):  # "graph 3 of 16"
+        for b, widths, do_sample, continuing in plan:
+            b.prepare(widths, do_sample, continuing=continuing)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
     scheduler = Scheduler(backend, tokenizer, max_queue=max_queue, prefiller=prefiller)
     return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
