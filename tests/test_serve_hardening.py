@@ -378,3 +378,41 @@ def test_after_the_fuzz_every_row_is_free_and_a_normal_request_is_answered(fuzze
         time.sleep(0.02)
     assert (scheduler.busy_rows, len(scheduler.waiting)) == (0, 0)
     assert greedy(url)
+
+
+def test_sigterm_with_requests_past_the_drain_timeout_ends_them_with_503_and_exits(tmp_path):
+    """The same through `staticrt serve` and a real SIGTERM, where uvicorn used to cancel what was
+    still open at --drain-timeout: a stream cut without an error event or [DONE]. bench-llama's
+    2,000 tokens take many seconds on any CPU, so the 1 s drain always runs out mid-stream."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", "bench-llama", "--port", str(port)]
+    command += ["--max-cache-len", "2048", "--prefill-buckets", "16", "--drain-timeout", "1"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = dict(model="bench-llama", prompt=[1, 2, 3], max_tokens=2000, temperature=0, stream=True)
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            first = next(lines)
+            server.send_signal(signal.SIGTERM)
+            events = [line for line in (first, *lines) if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["message"] == "the server stopped before this request finished"
+        assert server.wait(30) == -signal.SIGTERM
+        assert "Traceback" not in server.stderr.read()
+    finally:
+        server.kill()
+        server.wait()
