@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,15 +88,20 @@ def test_any_valid_config_values_load_and_generate(folder, tmp_path_factory, the
     assert len(generator.generate([[1, 2, 3]], 2)[0]) == 2
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.int64])
-def test_integer_or_bool_weights_are_refused_not_cast(folder, tmp_path, dtype):
-    bad = copy(folder, tmp_path / "model")
+NOT_FLOAT = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(data=st.data(), dtype=st.sampled_from(NOT_FLOAT))
+def test_integer_or_bool_weights_are_refused_not_cast(folder, tmp_path_factory, data, dtype):
+    """Any weight of any integer or bool dtype, where a float one belongs, was cast without a word."""
+    bad = copy(folder, tmp_path_factory.mktemp("weights") / "model")
     state = load_file(bad / "model.safetensors")
-    name = "model.layers.0.mlp.down_proj.weight"
+    name = data.draw(st.sampled_from(sorted(state)))
     state[name] = torch.ones_like(state[name], dtype=dtype)
     save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
-    message = f"layers.0.mlp.down_proj.weight is {str(dtype)[6:]}, where a weight is floating point"
-    with pytest.raises(CheckpointError, match=message):
+    message = f"{name.removeprefix('model.')} is {str(dtype)[6:]}, where a weight is floating point"
+    with pytest.raises(CheckpointError, match=re.escape(message)):
         staticrt.load_model(bad)
 
 

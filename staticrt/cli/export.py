@@ -22,10 +22,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..models.quant_spec import parse_quantize
 
     recipe = _recipe(args)
-    folder = local_checkpoint(recipe.model)  # a .gguf file: the folder it converts into once
+    checkpoint = local_checkpoint(recipe.model)  # a .gguf file: the folder it converts into once
     # The torch formats export torchao's weights; the ONNX graph quantizes the float weights itself.
     onnx = "onnx" in recipe.formats
-    stored = stored_quantization(folder)
+    stored = stored_quantization(checkpoint)
     if stored is not None and onnx:
         raise ConfigError(
             f"{recipe.model} holds {stored.name} codes kept from a GGUF (staticrt convert --keep-quantized), and "
@@ -36,12 +36,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_exportable(spec and spec.name, recipe.formats)
     out = args.out or Path("artifacts") / recipe.name
     check_target(out)
-    model = load_model(folder, dtype=recipe.dtype, quantize=None if onnx else recipe.quantize)
+    model = load_model(checkpoint, dtype=recipe.dtype, quantize=None if onnx else recipe.quantize)
 
     def copy_tokenizer(folder: Path) -> None:
         """What a client needs beside the programs: the tokenizer, its chat template, the eos ids."""
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-            source = Path(folder) / name
+            source = Path(checkpoint) / name
             if source.is_file():
                 (folder / name).write_bytes(source.read_bytes())
 
