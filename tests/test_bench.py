@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import io
 import json
 import re
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +66,26 @@ def test_each_backend_is_held_against_the_streaming_rate_sampled_around_its_own_
         assert run["matvec_bytes_per_s"] == statistics.median(run["matvec_samples"])
         step_s = run["decode_ms_per_token"] / 1000
         assert run["streaming_fraction"] == run["weight_bytes_per_step"] / step_s / run["matvec_bytes_per_s"]
+    # every number names its machine: the CPU and its vector flags as /proc/cpuinfo has them, and the day
+    info = report["machine"]
+    assert datetime.datetime.fromisoformat(info["date"]).date() == datetime.datetime.now(datetime.timezone.utc).date()
+    if Path("/proc/cpuinfo").exists():
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        assert info["cpu_model"] == re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M).group(1).strip()
+        assert ("avx2" in info["cpu_flags"]) == (" avx2" in cpuinfo)
+        assert ("avx512f" in info["cpu_flags"]) == (" avx512f" in cpuinfo)
+
+
+def test_the_machine_block_reads_the_first_processors_model_and_only_isa_flags(tmp_path):
+    from staticrt.bench.machine import _cpuinfo
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 fma avx512f avx512_bf16\n\n"
+        "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n"
+    )
+    assert _cpuinfo(cpuinfo) == ("AMD EPYC 9R14", {"fpu", "sse", "avx2", "fma", "avx512f", "avx512_bf16"})
+    assert _cpuinfo(tmp_path / "absent") == ("", set())
 
 
 def test_sliding_bench_needs_a_prompt_past_the_window():

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,6 +25,7 @@ from ..models.decoder import Decoder
 from ..models.quantize import QUANTIZED_DTYPES
 from .contenders import Contender, staticrt_contender
 from .gguf_write import check_writable, write_gguf
+from .machine import machine
 from .plan import GGUF_TYPES, QUANTO_CACHE, BenchRequest, Run, bench_prompts, plan_runs
 from .probes import StreamProbe, copy_bytes_per_s, kv_bytes_per_step, weight_bytes_per_step
 
@@ -210,17 +209,6 @@ def result(
     if copy_bps:  # the CUDA goal's measure: weight + K/V bytes a step reads against a device copy
         res["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step_s / copy_bps
     return res
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
 
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
+from .machine import describe
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
@@ -40,7 +41,7 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     axes.set_xlabel("ms per decode step (lower is better)")
     machine = report["machine"]
     axes.set_title(
-        f"{report['model']}, batch {report['batch_size']}, {report['device']}, {machine['torch_threads']} threads",
+        f"{report['model']}, batch {report['batch_size']}, {report['device']}, {describe(machine)}",
         fontsize=10,
     )
     axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.5 / (1 + 0.3 * len(names))), ncol=3)

@@ -185,7 +185,7 @@ def one_at_a_time(folder: Path, request: ServeBenchRequest, load: list[LoadReque
 
 def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None) -> dict[str, Any]:
     """The report: each server's load summary, the baseline, and their ratios."""
-    from . import machine
+    from .machine import machine
 
     with tempfile.TemporaryDirectory(prefix="staticrt-bench-serve-") as work:
         on_stage(f"writing {request.model} as a checkpoint folder")

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..bench import run_bench, write_report
 from ..bench.cold_start import cold_start
+from ..bench.machine import describe
 from .console import console, progress, show_table
 
 
@@ -72,7 +73,7 @@ def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
         ]
         for name, r in report["backends"].items()
     ]
-    title = f"{args.model}, batch {args.batch_size}, {report['device']}, {report['machine']['torch_threads']} threads"
+    title = f"{args.model}, batch {args.batch_size}, {report['device']}, {describe(report['machine'])}"
     if args.window:
         title += f", sliding window {args.window}"
     columns = ["backend", "prompt", "compile s", "prefill ms", "ms/token", "tok/s", "K/V MB read"]

@@ -7,6 +7,7 @@ import importlib.util
 from typing import Any
 
 from ..bench import write_report
+from ..bench.machine import describe
 from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
 from .console import console, progress, show_table
 from .session import model_device
@@ -57,7 +58,7 @@ def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
         rows.append([name, done, r["output_tokens"], r["output_tokens_per_s"], *latencies])
     title = (
         f"{request.model} ({request.backend}), {request.max_batch_size} rows, {request.concurrency} clients, "
-        f"{report['machine']['torch_threads']} threads, {request.stream_interval} token(s) a chunk"
+        f"{describe(report['machine'])}, {request.stream_interval} token(s) a chunk"
     )
     columns = ["contender", "done", "tokens", "tok/s"]
     columns += [f"{key} {p} ms" for key in ("TTFT", "ITL", "TPOT") for p in ("p50", "p99")]
