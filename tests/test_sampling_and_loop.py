@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import staticrt
+from staticrt.generation import host_sampling
 from staticrt.generation.sampling import greedy, sample
 
 
@@ -31,6 +35,39 @@ def test_top_k_one_is_greedy():
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
     chosen = sample(logits, torch.ones(4), torch.ones(4, dtype=torch.int64), torch.ones(4), torch.rand(4))
     assert torch.equal(chosen, greedy(logits))
+
+
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from([-3.0, -1.5, 0.0, 0.25, 2.0, 7.0]), min_size=12, max_size=12),  # ties
+            st.sampled_from([0.5, 1.0, 1.7]),  # temperature
+            st.sampled_from([0, 1, 3, 12]),  # top_k; 1 for a greedy or idle row of a server's step
+            st.sampled_from([0.3, 0.9, 1.0]),  # top_p
+            st.floats(0, 0.999),  # uniform
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_hosts_numpy_pick_is_the_graphs_torch_pick(rows):
+    """ONNX Runtime's runner chooses on the host; every backend must pick the same token for a seed."""
+    logits, temperature, top_k, top_p, uniform = (list(column) for column in zip(*rows))
+    expected = sample(
+        torch.tensor(logits),
+        torch.tensor(temperature),
+        torch.tensor(top_k),
+        torch.tensor(top_p),
+        torch.tensor(uniform, dtype=torch.float32),
+    )
+    got = host_sampling.sample(
+        np.array(logits, dtype=np.float32),
+        np.array(temperature),
+        np.array(top_k),
+        np.array(top_p),
+        np.array(uniform, dtype=np.float32),
+    )
+    assert got.tolist() == expected.tolist()
 
 
 def test_stop_tokens_and_streaming():
