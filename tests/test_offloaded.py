@@ -220,7 +220,8 @@ def test_cuda_offloaded_tokens_equal_the_static_cache(hf_checkpoints, family, ba
 
 @needs_cuda
 def test_cuda_device_memory_for_sixteen_layers_is_two_layers_of_kv():
-    config = dataclasses.replace(PRESETS["tiny-llama"], num_layers=16)
+    tiny = PRESETS["tiny-llama"]
+    config = dataclasses.replace(tiny, num_layers=16, layer_types=tiny.layer_types[:1] * 16)
     spec = CacheSpec("offloaded", 2, 4096)
     layer = 2 * (2 * config.num_kv_heads * 4096 * config.head_dim * 4)  # K and V of one layer, float32
 
