@@ -143,3 +143,34 @@ def test_inspect_refuses_a_cache_the_model_cannot_use(capsys):
     assert (
         "no layer of this llama model attends through a sliding window; use cache='static'" in capsys.readouterr().err
     )
+
+
+def test_export_suggests_what_the_artifact_can_run(tmp_path):
+    """A chat model's artifact is chatted with, a tokenizer's takes text, a preset's takes ids."""
+    from staticrt.cli.export import _next_command
+
+    (tmp_path / "preset").mkdir()
+    assert _next_command(tmp_path / "preset") == f"run it with: staticrt run {tmp_path / 'preset'} --prompt-ids 1,2,3"
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "tokenizer.json").write_text("{}")
+    assert _next_command(tmp_path / "text") == f'run it with: staticrt run {tmp_path / "text"} --prompt "Hello"'
+    (tmp_path / "text" / "tokenizer_config.json").write_text('{"chat_template": "{{ messages }}"}')
+    assert _next_command(tmp_path / "text") == f"chat with it: staticrt chat {tmp_path / 'text'}"
+
+
+def test_the_serve_banner_lists_the_prefill_shapes_the_backend_has():
+    """An ONNX graph takes any prompt width; listing its longest sequence as a bucket misled."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from staticrt.cli.serve import banner
+
+    args = Namespace(served_model_name=None, artifact="artifacts/s", model=None, host="127.0.0.1", port=8000)
+    onnx = SimpleNamespace(name="onnx", batch_size=8, max_cache_len=512, buckets=(512,))
+    compiled = SimpleNamespace(name="compiled", batch_size=8, max_cache_len=512, buckets=(64, 256))
+    tail = "Ctrl-C or SIGTERM drains and stops"
+    assert banner(args, onnx) == (
+        f"serving artifacts/s on http://127.0.0.1:8000/v1 (onnx, 8 rows of 512 positions, prompts of any length "
+        f"up to 512); {tail}"
+    )
+    assert banner(args, compiled).endswith(f"(compiled, 8 rows of 512 positions, prefill buckets [64, 256]); {tail}")

@@ -67,10 +67,22 @@ def cmd_export(args: argparse.Namespace) -> int:
             spec,
         )
     console.print(
-        f"wrote {out} in {time.perf_counter() - start:.1f} s; run it with: staticrt run {out} --prompt-ids 1,2,3",
+        f"wrote {out} in {time.perf_counter() - start:.1f} s; {_next_command(out)}",
         soft_wrap=True,  # one line: the command can be copied
     )
     return 0
+
+
+def _next_command(artifact: Path) -> str:
+    """What to try first with the artifact: a chat for a model with a chat template, text for one
+    with a tokenizer, token ids for a preset (which has neither)."""
+    from ..text.chat_template import read_chat_template
+
+    if read_chat_template(artifact) is not None:
+        return f"chat with it: staticrt chat {artifact}"
+    if (artifact / "tokenizer.json").is_file():
+        return f'run it with: staticrt run {artifact} --prompt "Hello"'
+    return f"run it with: staticrt run {artifact} --prompt-ids 1,2,3"
 
 
 def _recipe(args: argparse.Namespace) -> Any:

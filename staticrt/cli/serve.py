@@ -51,12 +51,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve import run_server
 
     app, scheduler = build_server(args)
-    backend = scheduler.backend
-    console.print(
-        f"serving {args.served_model_name or args.artifact or args.model} on http://{args.host}:{args.port}/v1 "
-        f"({backend.name}, {backend.batch_size} rows of {backend.max_cache_len} positions, prefill buckets "
-        f"{list(backend.buckets)}); Ctrl-C or SIGTERM drains and stops",
-        soft_wrap=True,
-    )
+    console.print(banner(args, scheduler.backend), soft_wrap=True)
     run_server(app, scheduler, args.host, args.port, args.drain_timeout)
     return 0
+
+
+def banner(args: argparse.Namespace, backend: Any) -> str:
+    """The line a server starts with: where it listens and the shapes it runs. An ONNX graph takes
+    a prompt of any width (its one "bucket" is the longest sequence), so it lists no buckets."""
+    prompts = (
+        f"prompts of any length up to {backend.buckets[-1]}"
+        if backend.name == "onnx"
+        else f"prefill buckets {list(backend.buckets)}"
+    )
+    return (
+        f"serving {args.served_model_name or args.artifact or args.model} on http://{args.host}:{args.port}/v1 "
+        f"({backend.name}, {backend.batch_size} rows of {backend.max_cache_len} positions, {prompts}); "
+        "Ctrl-C or SIGTERM drains and stops"
+    )
