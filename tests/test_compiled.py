@@ -30,7 +30,7 @@ def test_no_recompile_across_generations_in_one_bucket(tiny):
         first = compiled.generate(prompts_a, max_new_tokens=40)
         graphs = dict(compiled.backend._graphs)
         second = compiled.generate(prompts_b, max_new_tokens=40)
-    assert set(graphs) == {(16, "greedy", True), (1, "greedy", False)}  # one prefill graph, one decode graph
+    assert set(graphs) == {(16, "pick", True), (1, "pick", False)}  # one prefill graph, one decode graph
     assert compiled.backend._graphs == graphs
     assert first == eager.generate(prompts_a, max_new_tokens=40)
     assert second == eager.generate(prompts_b, max_new_tokens=40)
@@ -47,6 +47,39 @@ def test_seeded_sampling_is_reproducible_and_backend_independent(tiny):
     assert compiled.generate(prompts, seed=123, **kwargs) == a
     greedy = eager.generate(prompts, max_new_tokens=24)
     assert a != greedy
+
+
+def test_greedy_and_sampling_steps_share_one_graph_and_give_the_eager_tokens(tiny):
+    """On the CPU one graph a width serves greedy and sampling steps (`sampling.pick`): after a
+    greedy generation, a sampling one compiles nothing. Its tokens are eager's when every row
+    samples, when every row is top-k 1 (the graph's argmax branch, against eager's sort), and when
+    a batch mixes such a row with a sampling one (a server's rows)."""
+    eager = staticrt.Generator(tiny, max_batch_size=2, max_cache_len=64)
+    compiled = staticrt.Generator(tiny, max_batch_size=2, max_cache_len=64, backend="compiled")
+    prompts = [[7, 8, 9], [1, 2, 3, 4, 5, 6]]
+    assert compiled.generate(prompts, max_new_tokens=24) == eager.generate(prompts, max_new_tokens=24)
+    graphs = dict(compiled.backend._graphs)
+    assert set(graphs) == {(16, "pick", True), (1, "pick", False)}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for options in (dict(temperature=0.9, top_k=50, top_p=0.95), dict(temperature=0.7, top_k=1)):
+            kwargs = dict(max_new_tokens=24, do_sample=True, seed=5, **options)
+            assert compiled.generate(prompts, **kwargs) == eager.generate(prompts, **kwargs), options
+        assert compiled.last_stats.compile_s == 0.0 and compiled.backend._graphs == graphs
+        # row 0 greedy as a server writes it (top-k 1), row 1 sampling; prompts of 3 in the 16 bucket
+        temperature, top_p = np.array([0.7, 1.3], np.float32), np.array([1.0, 0.9], np.float32)
+        mixed = SamplingParams(True, temperature, np.array([1, 40]), top_p)
+        prompt = np.zeros((2, 16), dtype=np.int64)
+        prompt[:, :3] = [[5, 6, 7], [8, 9, 10]]
+        ids = {}
+        for gen in (eager, compiled):
+            backend, rng = gen.backend, np.random.default_rng(3)
+            backend.reset()
+            chosen = [backend.step(prompt, np.zeros(2, np.int64), np.array([3, 3]), mixed, rng.random(2, np.float32))]
+            for position in range(3, 12):
+                where = (np.full(2, position), np.ones(2, np.int64))
+                chosen.append(backend.step(chosen[-1].reshape(2, 1), *where, mixed, rng.random(2, np.float32)))
+            ids[backend.name] = np.stack(chosen).tolist()
+    assert ids["compiled"] == ids["eager"]
 
 
 def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(monkeypatch):
@@ -73,7 +106,7 @@ def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(mon
     first = compiled.generate(prompt, max_new_tokens=10)
     # prefill and the first decode step go through dynamo's guards; the other 8 decode steps
     # call the code whose guards passed
-    assert direct_calls == ["run_step_decode_greedy"] * 8
+    assert direct_calls == ["run_step_decode"] * 8
     assert first == eager.generate(prompt, max_new_tokens=10)
     # Between generations the model changes in a way the graphs depend on: the head goes from the
     # column-major layout the CPU loader gives it back to row-major. The next generation checks
@@ -84,13 +117,13 @@ def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(mon
     head.data = head.data.contiguous()
     direct_calls.clear()
     assert compiled.generate(prompt, max_new_tokens=10) == first
-    assert direct_calls == ["run_step_decode_greedy"] * 8
+    assert direct_calls == ["run_step_decode"] * 8
     # Back to column-major: dynamo hits the first graph again, and its code is the one called
     # directly after it (dynamo keeps the entry it used first in its list).
     head.data = head.data.t().contiguous().t()
     direct_calls.clear()
     assert compiled.generate(prompt, max_new_tokens=10) == first
-    assert direct_calls == ["run_step_decode_greedy"] * 8
+    assert direct_calls == ["run_step_decode"] * 8
 
 
 def test_code_past_guards_is_the_code_dynamo_ran_and_gives_its_result():
@@ -120,8 +153,8 @@ def test_without_the_private_api_the_backend_warns_once_and_keeps_dynamo(monkeyp
         tokens = compiled.generate([[5, 6, 7]], max_new_tokens=6)
         assert compiled.generate([[5, 6, 7]], max_new_tokens=6) == tokens
     assert len([w for w in record if issubclass(w.category, guards.GuardSkipWarning)]) == 1
-    graph = compiled.backend._graphs[1, "greedy", False]
-    assert compiled.backend.step_function(1, "greedy", False) is graph  # steps go through dynamo, as before the change
+    graph = compiled.backend._graphs[1, "pick", False]
+    assert compiled.backend.step_function(1, "pick", False) is graph  # steps go through dynamo, as before the change
     assert tokens == staticrt.Generator(model, max_batch_size=1, max_cache_len=64).generate(
         [[5, 6, 7]], max_new_tokens=6
     )
@@ -138,10 +171,10 @@ def test_a_first_compile_is_announced_and_timed_apart_from_prefill(capfd):
     lines = [re.sub(r"about \d+ s left", "about N s left", line.split(" in ")[0]) for line in err.splitlines()]
     lines = [line for line in lines if "step graph" in line]
     assert lines == [
-        "compiling the prefill7_greedy step graph, 1 of 2 (first use; later generations reuse it) ...",
-        "compiled the prefill7_greedy step graph",
-        "compiling the decode_greedy step graph, 2 of 2 (first use; later generations reuse it; about N s left) ...",
-        "compiled the decode_greedy step graph",
+        "compiling the prefill7 step graph, 1 of 2 (first use; later generations reuse it) ...",
+        "compiled the prefill7 step graph",
+        "compiling the decode step graph, 2 of 2 (first use; later generations reuse it; about N s left) ...",
+        "compiled the decode step graph",
     ]
     report = json.loads(out)
     assert report["compile_s"] > report["prefill_ms"] / 1000 > 0
@@ -155,7 +188,7 @@ def test_graphs_built_once_are_not_compiled_again(tiny):
     assert gen.last_stats.compile_s == 0.0
     gen.generate([list(range(1, 20))], max_new_tokens=1)  # a new prefill bucket (32), no decode
     assert gen.last_stats.compile_s > 0
-    assert set(gen.backend._built) == {(16, "greedy", True), (1, "greedy", False), (32, "greedy", True)}
+    assert set(gen.backend._built) == {(16, "pick", True), (1, "pick", False), (32, "pick", True)}
 
 
 def test_a_server_builds_the_graphs_of_continuing_rows_before_it_serves(tiny):
@@ -164,7 +197,7 @@ def test_a_server_builds_the_graphs_of_continuing_rows_before_it_serves(tiny):
     eager = staticrt.Generator(tiny, max_batch_size=1, max_cache_len=64, prefill_buckets=[16])
     gen = staticrt.Generator(tiny, max_batch_size=1, max_cache_len=64, prefill_buckets=[16], backend="compiled")
     assert gen.backend.prepare((16, 1), False, continuing=True) > 0
-    assert set(gen.backend._built) == {(16, "greedy", True), (16, "greedy", False), (1, "greedy", False)}
+    assert set(gen.backend._built) == {(16, "pick", True), (16, "pick", False), (1, "pick", False)}
     chunks = [np.arange(1, 17).reshape(1, 16), np.arange(20, 36).reshape(1, 16)]  # positions 0..15, then 16..31
     ids = {}
     with torch._dynamo.config.patch(error_on_recompile=True):

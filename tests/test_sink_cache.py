@@ -113,7 +113,7 @@ def test_compiled_runs_ten_thousand_tokens_past_the_window_without_recompiling()
         tokens = gen.generate(prompts, 10_040)
     assert [len(t) for t in tokens] == [10_040, 10_040] and tokens[0][:300] == eager[0]
     assert len(set(tokens[0][-1000:])) > 5  # still text-like at the end, not one repeated token
-    assert set(gen.backend._graphs) == {(16, "greedy", True), (1, "greedy", False)}
+    assert set(gen.backend._graphs) == {(16, "pick", True), (1, "pick", False)}
 
 
 def test_bad_sink_caches_are_refused(tmp_path):

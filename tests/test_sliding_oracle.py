@@ -57,7 +57,7 @@ def test_compiled_matches_transformers_past_the_window_without_recompiling(hf_ch
     gen = generator(hf_checkpoints, name, batch, "compiled")
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = gen.generate(prompts()[:batch], max_new_tokens=NEW_TOKENS)
-    assert set(gen.backend._graphs) == {(64, "greedy", True), (1, "greedy", False)}  # one prefill graph, one decode
+    assert set(gen.backend._graphs) == {(64, "pick", True), (1, "pick", False)}  # one prefill graph, one decode
     assert out == references[name][:batch]
     # the last decode step wrote position 238 of the 40-token row: 14 windows past the first
     assert gen.backend.cache.get_seq_length()[0].item() == LENGTHS[0] + NEW_TOKENS - 1

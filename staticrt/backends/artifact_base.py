@@ -4,7 +4,7 @@ without the format refused, and (by each backend) held against the shapes it act
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,5 +48,5 @@ class ArtifactBackend:
         """Nothing to build: the programs were compiled at export and loaded with the artifact."""
         return 0.0
 
-    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> int:
-        return 0
+    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> set[Hashable]:
+        return set()

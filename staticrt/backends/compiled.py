@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -29,10 +29,15 @@ log = logging.getLogger("staticrt")
 
 
 def graph_name(seq_len: int, choice: str, fresh: bool) -> str:
-    """What a graph is called in logs and in dynamo's code names: decode_greedy, prefill64_beam8
-    (rows from position 0, `starts_fresh`), chunk64_greedy (rows that hold tokens already), ..."""
+    """What a graph is called in logs and in dynamo's code names: decode (greedy and sampling, the
+    "pick" choice), prefill64_beam8 (rows from position 0, `starts_fresh`), chunk64 (rows that
+    hold tokens already), decode_greedy (a CUDA graph's own choice), ..."""
     width = "decode" if seq_len == 1 else f"{'prefill' if fresh else 'chunk'}{seq_len}"
-    return f"{width}_{choice}"
+    return width if choice == "pick" else f"{width}_{choice}"
+
+
+# What a greedy step runs as in a "pick" graph: each row top-k 1 at temperature 1, the argmax.
+_GREEDY_AS_PICK = SamplingParams(True, 1.0, 1, 1.0)
 
 
 def _own_code_copy(fn: types.FunctionType, tag: str, **keywords: Any) -> types.FunctionType:
@@ -131,6 +136,9 @@ class CompiledBackend(EagerBackend):
         """Each graph's first step of a generation goes through dynamo (guards, and a recompile
         if the model changed between generations); the rest run `past_guards` of it (guards.py).
         A `stream` callback must not change the model or the cache in the middle of a generation."""
+        choice = self.graph_choice(choice)
+        if choice == "pick" and uniforms is None:
+            sampling, uniforms = _GREEDY_AS_PICK, np.zeros(len(input_ids), dtype=np.float32)
         key = (input_ids.shape[1], choice, starts_fresh(write_index, input_ids.shape[1]))
         if key in self._checked:
             return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
@@ -156,7 +164,7 @@ class CompiledBackend(EagerBackend):
         running it once on dummy inputs (zeros, at position 0, or 1 for a `continuing` graph: it
         writes only K/V that `reset` and the prefill replace), and say so in the log: a 30-layer
         model takes minutes on a CPU. `candidates` > 0: the graphs of a beam step (`beam_step`)."""
-        spent, batch, choice = 0.0, self.batch_size, step_choice(do_sample, candidates)
+        spent, batch, choice = 0.0, self.batch_size, self.graph_choice(step_choice(do_sample, candidates))
         todo = self._unbuilt_keys(widths, choice, continuing)
         count = builds.current(len(todo))
         for key in todo:
@@ -177,9 +185,18 @@ class CompiledBackend(EagerBackend):
             log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
         return spent
 
-    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> int:
-        """How many graphs `prepare` with these arguments would build."""
-        return len(self._unbuilt_keys(widths, step_choice(do_sample, candidates), continuing))
+    def unbuilt(
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0
+    ) -> set[Hashable]:
+        """The graphs `prepare` with these arguments would build, by (width, choice, fresh)."""
+        return set(self._unbuilt_keys(widths, self.graph_choice(step_choice(do_sample, candidates)), continuing))
+
+    def graph_choice(self, choice: str) -> str:
+        """The graph a step of `choice` runs in. On the CPU greedy and sampling steps share one,
+        "pick" (`sampling.pick`: the argmax where every row is greedy, no sort): a server compiles
+        half the graphs, and the frozen decode graph packs its weights once. CUDA graphs keep one
+        graph a choice: a graph captured for replay cannot branch on its data."""
+        return "pick" if choice in ("greedy", "sample") and self.device.type == "cpu" else choice
 
     def _unbuilt_keys(self, widths: Sequence[int], choice: str, continuing: bool) -> list[tuple[int, str, bool]]:
         limit = self.max_sequence_len
@@ -219,7 +236,7 @@ class CompiledBackend(EagerBackend):
         if key not in self._graphs:
             once = self.layers_once(seq_len)
             compiled = torch.compile(
-                _own_code_copy(run_step, graph_name(*key), layers_once=once),
+                _own_code_copy(run_step, graph_name(*key), layers_once=once, either=choice == "pick"),
                 fullgraph=True,
                 dynamic=False,
                 **(self.layers_once_options if once else self.compile_options),

@@ -3,7 +3,7 @@ and only swaps how a step function is obtained (`step_function`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,7 @@ import torch
 from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
 from ..errors import CacheError, GenerationError, as_int
 from ..generation.loop import SamplingParams, default_buckets, per_row
-from ..generation.sampling import beam_candidates, greedy, sample
+from ..generation.sampling import beam_candidates, greedy, pick, sample
 from ..models.decoder import Decoder
 
 StepFn = Callable[..., Any]
@@ -20,7 +20,8 @@ StepFn = Callable[..., Any]
 
 def step_choice(do_sample: bool, candidates: int = 0) -> str:
     """How a step picks what it returns, and what its graph is called: "greedy", "sample", or
-    "beam{k}" (each row's k best continuations, for beam search)."""
+    "beam{k}" (each row's k best continuations, for beam search). A compiled backend may run
+    greedy and sampling steps as one choice, "pick" (`CompiledBackend.graph_choice`)."""
     return f"beam{candidates}" if candidates else ("sample" if do_sample else "greedy")
 
 
@@ -50,13 +51,17 @@ def run_step(
     fresh: bool = False,
     *,
     layers_once: bool = False,
+    either: bool = False,
 ) -> Any:
     """One model step plus token choice: the unit every torch backend runs (and compiles) whole.
     Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair.
-    `layers_once`: see `Decoder.forward` (a compiled graph's own copy sets it, compiled.py)."""
+    `layers_once`: see `Decoder.forward`; `either`: the step serves greedy and sampling steps
+    (`sampling.pick`, a uniform a row always given). A compiled graph's own copy sets both."""
     logits = model(input_ids, write_index, cache, num_new, fresh=fresh, layers_once=layers_once)  # [B, V]
     if candidates:
         return beam_candidates(logits, candidates)
+    if either:
+        return pick(logits, temperature, top_k, top_p, uniform)
     if uniform is None:
         return greedy(logits)
     return sample(logits, temperature, top_k, top_p, uniform)
@@ -148,8 +153,10 @@ class EagerBackend:
         """Nothing to build: eager runs the step as it is."""
         return 0.0
 
-    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> int:
-        return 0
+    def unbuilt(
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0
+    ) -> set[Hashable]:
+        return set()
 
     def remedy(self, limit: str) -> str:
         """The Generator's own argument raises each limit."""

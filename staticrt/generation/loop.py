@@ -10,7 +10,7 @@ the one device-to-host synchronisation per generated token.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,8 +70,9 @@ class StepBackend(Protocol):
         `continuing`: also multi-token steps of rows that hold tokens already (a server's chunked
         prompts, a prefill beside decoding rows), which run graphs of their own (`starts_fresh`)."""
 
-    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> int:
-        """How many graphs `prepare` with these arguments would build (a start-up counts them all first)."""
+    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> set[Hashable]:
+        """The graphs `prepare` with these arguments would build, by a key of this backend's own: a
+        start-up counts the union first (greedy and sampling steps may share a graph)."""
 
     def report(self) -> dict[str, Any]:
         """What a benchmark reads off the backend after its runs (cache bytes, graph GPU time)."""
@@ -228,7 +229,7 @@ def generate_tokens(
     rngs = [np.random.default_rng(None if sampling.seed is None else sampling.seed + r) for r in range(batch)]
 
     def uniforms() -> np.ndarray | None:
-        return np.array([g.random(dtype=np.float32) for g in rngs]) if sampling.do_sample else None
+        return np.array([g.random(dtype=np.float32) for g in rngs], dtype=np.float32) if sampling.do_sample else None
 
     stats.compile_s = backend.prepare((bucket, 1) if max_new_tokens > 1 else (bucket,), sampling.do_sample)
     backend.reset()

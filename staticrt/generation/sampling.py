@@ -21,6 +21,26 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
+def pick(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> torch.Tensor:
+    """`sample`, with its arguments, in a graph that also serves greedy steps: where every row's
+    `top_k` is 1 (greedy rows are written so) the step takes the argmax of the scaled logits and
+    skips the sort, which costs ~5 ms a row on a 49k vocabulary. One graph then serves both, so a
+    process compiles, and a frozen graph packs its weights, once. The argmax is `sample`'s token
+    for such rows: a stable descending sort puts the first maximum first, as argmax returns it;
+    at temperature 1 (greedy rows) it is `greedy`'s token."""
+
+    def top_one(logits, temperature, top_k, top_p, uniform):
+        return greedy(logits.float() / temperature[:, None])
+
+    return torch.cond((top_k == 1).all(), top_one, sample, (logits, temperature, top_k, top_p, uniform))
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,

@@ -49,7 +49,8 @@ def serve_backend(
         else:
             plan += [(backend, (1,), do_sample, False), (prefiller, prefiller.buckets, do_sample, False)]
             plan.append((prefiller, chunk_widths(prefiller), do_sample, True))
-    with counting(sum(b.unbuilt(w, s, continuing=c) for b, w, s, c in plan)):  # "graph 3 of 16"
+    graphs = {(id(b), key) for b, w, s, c in plan for key in b.unbuilt(w, s, continuing=c)}
+    with counting(len(graphs)):  # "graph 3 of 16"
         for b, widths, do_sample, continuing in plan:
             b.prepare(widths, do_sample, continuing=continuing)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
