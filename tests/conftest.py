@@ -41,6 +41,13 @@ def _deterministic_threads():
     torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _own_user_cache(tmp_path_factory, monkeypatch):
+    """Each test its own $STATICRT_CACHE (subprocesses inherit it): no graph one test stored is
+    loaded by another, whose log then says what it compiles, and nothing lands in the user's cache."""
+    monkeypatch.setenv("STATICRT_CACHE", str(tmp_path_factory.mktemp("user-cache")))
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """family -> (checkpoint folder written by save_pretrained, the transformers model)."""

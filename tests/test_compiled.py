@@ -167,12 +167,14 @@ def test_a_first_compile_is_announced_and_timed_apart_from_prefill(capfd):
 
     argv = ["run", "--model", "tiny-llama", "--backend", "compiled", "--prompt-ids", "1,2,3", "--json"]
     assert main([*argv, "--max-new-tokens", "4"]) == 0
-    out, err = capfd.readouterr()  # 3 + 4 positions: the cache and its one bucket are 7 long
+    # 3 + 4 positions, in a cache of 256 (`run` sizes a compiled cache in steps of 256, so that
+    # the next prompt finds its graphs): the prompt pads to the smallest bucket, 16
+    out, err = capfd.readouterr()
     lines = [re.sub(r"about \d+ s left", "about N s left", line.split(" in ")[0]) for line in err.splitlines()]
     lines = [line for line in lines if "step graph" in line]
     assert lines == [
-        "compiling the prefill7 step graph, 1 of 2 (first use; later generations reuse it) ...",
-        "compiled the prefill7 step graph",
+        "compiling the prefill16 step graph, 1 of 2 (first use; later generations reuse it) ...",
+        "compiled the prefill16 step graph",
         "compiling the decode step graph, 2 of 2 (first use; later generations reuse it; about N s left) ...",
         "compiled the decode step graph",
     ]

@@ -10,6 +10,7 @@ eager, and `error_on_recompile` can prove that a generation never recompiles.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 from collections.abc import Hashable, Iterator, Sequence
@@ -23,6 +24,7 @@ from ..errors import GenerationError
 from ..generation import builds
 from ..generation.loop import SamplingParams
 from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice
+from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
 
 log = logging.getLogger("staticrt")
@@ -119,6 +121,9 @@ class CompiledBackend(EagerBackend):
         self._checked: dict[tuple[int, str, bool], StepFn] = {}  # what runs a graph whose guards passed this generation
         self._built: set[tuple[int, str, bool]] = set()  # graphs that have run once: compiled (and captured)
         self._frozen_weights: list[tuple[int, int]] | None = None  # weights as a frozen graph holds them
+        # CPU graphs kept across processes (graph_store.py); STATICRT_COMPILE_CACHE=off compiles each time.
+        stored = os.environ.get("STATICRT_COMPILE_CACHE", "on").lower() not in ("0", "off", "no", "false")
+        self.store = GraphStore(self.model, self.cache) if stored else None
 
     def reset(self) -> None:
         super().reset()
@@ -142,6 +147,9 @@ class CompiledBackend(EagerBackend):
         key = (input_ids.shape[1], choice, starts_fresh(write_index, input_ids.shape[1]))
         if key in self._checked:
             return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
+        stored = self._graphs.get(key)
+        if isinstance(stored, StoredStep) and stored.addresses != live_addresses(self._stored_graph(key)):
+            del self._graphs[key]  # weights replaced since it loaded (dynamo would guard): load it for the new ones
         freezes = self.freezes(key[0])
         if freezes and self._frozen_weights not in (None, self._weight_stamps()):
             raise GenerationError(
@@ -169,10 +177,10 @@ class CompiledBackend(EagerBackend):
         count = builds.current(len(todo))
         for key in todo:
             width, _, fresh = key
-            name, began = graph_name(*key), time.perf_counter()
+            name, began, stored = graph_name(*key), time.perf_counter(), self.stored(key)
             log.info(
-                "compiling the %s step graph, %s (first use; later generations reuse it%s) ...",
-                *(name, count.number, count.left),
+                "%s the %s step graph, %s (first use; later generations reuse it%s) ...",
+                *("loading" if stored else "compiling", name, count.number, count.left),
             )
             write_index = np.full(batch, 0 if fresh or width == 1 else 1, dtype=np.int64)
             ones = np.ones(batch, dtype=np.int64)
@@ -182,7 +190,9 @@ class CompiledBackend(EagerBackend):
             self._built.add(key)
             spent += time.perf_counter() - began
             count.finished(time.perf_counter() - began)
-            log.info("compiled the %s step graph in %.1f s", name, time.perf_counter() - began)
+            folder = self.store.loaded.get(key) if self.store else None
+            done = f"loaded from the compile cache, {folder}," if folder else "compiled"
+            log.info("%s the %s step graph in %.1f s", done, name, time.perf_counter() - began)
         return spent
 
     def unbuilt(
@@ -227,12 +237,20 @@ class CompiledBackend(EagerBackend):
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code
         called directly, or the graph itself where torch offers no such code."""
+        if isinstance(graph, StoredStep):  # no dynamo, no guards
+            return graph
         return code_past_guards(graph) or graph
 
     def step_function(self, seq_len: int, choice: str, fresh: bool) -> StepFn:
         key = (seq_len, choice, fresh)
         if key in self._checked:
             return self._checked[key]
+        if key not in self._graphs and (graph := self._stored_graph(key)) is not None:
+            try:
+                self._graphs[key] = self.store.load(graph)
+            except Exception as err:  # noqa: BLE001 - the store only saves time: compile as before
+                name, reason = graph_name(*key), f"{type(err).__name__}: {err}"
+                log.warning("the %s graph cannot go through the compile cache (%s); compiling it", name, reason)
         if key not in self._graphs:
             once = self.layers_once(seq_len)
             compiled = torch.compile(
@@ -243,3 +261,18 @@ class CompiledBackend(EagerBackend):
             )
             self._graphs[key] = compiled
         return self._graphs[key]
+
+    def _stored_graph(self, key: tuple[int, str, bool]) -> StepModule | None:
+        """The graph `key` as the compile cache builds and keys it; None where graphs compile in
+        the process: on CUDA (CUDA graphs capture them), for quantized weights (torchao's tensors
+        do not travel as plain constants), for a small model, or with the cache turned off."""
+        small = self.model.config.hidden_size < FREEZE_MIN_HIDDEN  # compiles in seconds, faster in process
+        if self.store is None or self.device.type != "cpu" or self.model.quantization is not None or small:
+            return None
+        width = key[0]
+        return self.store.graph(key, frozen_decode_weights if self.freezes(width) else None, self.layers_once(width))
+
+    def stored(self, key: tuple[int, str, bool]) -> bool:
+        """Whether the graph `key` is loaded from the compile cache rather than compiled."""
+        graph = self._stored_graph(key)
+        return graph is not None and self.store.holds(graph)

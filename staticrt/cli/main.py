@@ -1,4 +1,4 @@
-"""staticrt command line: demo | run | chat | serve | export | convert | bench | bench-serve | inspect.
+"""staticrt command line: demo | run | chat | serve | export | convert | bench | bench-serve | inspect | cache.
 
 Importing this module imports no torch: `staticrt run ARTIFACT --backend onnx` deploys without it.
 Each command imports what it needs when it runs.
@@ -209,6 +209,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_format_arg(bench)
 
+    cache = sub.add_parser(
+        "cache",
+        help="list or free what staticrt keeps for later processes (compiled graphs, converted GGUF files)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="The cache is $STATICRT_CACHE, else $XDG_CACHE_HOME/staticrt, else ~/.cache/staticrt.\n"
+        "graphs: the compiled backend's CPU step graphs (AOTInductor libraries, a decode graph with its\n"
+        "packed weights), keyed by the weights' hash, config, cache shape, threads, torch and CPU: a later\n"
+        "process loads them in about a second instead of compiling for a minute. gguf: checkpoints\n"
+        "converted from a .gguf --model. A process with an entry loaded keeps running when it is removed.\n"
+        "STATICRT_COMPILE_CACHE=off compiles in each process and stores nothing.\n"
+        "examples:\n  staticrt cache list\n  staticrt cache clear --older-than 30\n"
+        "  staticrt cache clear --kind graphs",
+    )
+    cache.add_argument("action", choices=("list", "clear"))
+    cache.add_argument("--kind", choices=("all", "graphs", "gguf"), default="all", help="which entries (default all)")
+    cache.add_argument(
+        "--older-than", type=float, default=None, metavar="DAYS", help="clear: only entries unused this many days"
+    )
+    add_format_arg(cache)
+
     inspect = sub.add_parser("inspect", help="show a model's cache layout and memory")
     add_model_args(inspect)
     inspect.add_argument("--batch-size", type=POSITIVE, default=1)
@@ -255,6 +275,7 @@ COMMANDS = {
     "export": ("staticrt.cli.export", "cmd_export"),
     "bench": ("staticrt.cli.bench", "cmd_bench"),
     "inspect": ("staticrt.cli.inspect", "cmd_inspect"),
+    "cache": ("staticrt.cli.cache", "cmd_cache"),
     "convert": ("staticrt.cli.convert", "cmd_convert"),
     "chat": ("staticrt.cli.chat", "cmd_chat"),
     "serve": ("staticrt.cli.serve", "cmd_serve"),

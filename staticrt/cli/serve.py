@@ -51,6 +51,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..serve import run_server
 
     app, scheduler = build_server(args)
+    if args.warmup_only:
+        console.print("every graph the server needs is built; the compile cache holds them (staticrt cache list)")
+        return 0
     console.print(banner(args, scheduler.backend), soft_wrap=True)
     run_server(app, scheduler, args.host, args.port, args.drain_timeout)
     return 0

@@ -71,6 +71,8 @@ def _add_serve_parser(sub: Any) -> None:
         default=30,
         help="seconds open requests may take to finish after SIGTERM (default 30)",
     )
+    warmup = "build every graph the server needs into the compile cache and exit (once, in a deployment's image)"
+    serve.add_argument("--warmup-only", action="store_true", help=warmup)
 
 
 def _length_range(text: str) -> tuple[int, int]:

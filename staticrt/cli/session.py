@@ -79,6 +79,9 @@ def model_device(device: str | None, backend: str | None) -> str:
     return "cuda" if entry is not None and entry.cuda_only and torch.cuda.is_available() else "cpu"
 
 
+SHAPE_STEP = 256  # positions
+
+
 def bind(source: Source, args: argparse.Namespace, rows: int, needed: int | None, prefill_buckets: Any = None) -> Any:
     """A Generator for `rows` prompts of up to `needed` positions each (None: the model's context,
     at most 1024, as a conversation or a server needs); an artifact comes bound to the cache it was
@@ -89,6 +92,9 @@ def bind(source: Source, args: argparse.Namespace, rows: int, needed: int | None
     from ..generation.generator import Generator
 
     config = source.model.config
+    if needed is not None and args.backend not in (None, "eager"):
+        # Whole steps of a compiled run's shape: the next prompt finds its graphs in the compile cache.
+        needed = min(-(-needed // SHAPE_STEP) * SHAPE_STEP, max(needed, config.max_position_embeddings))
     return Generator(
         source.model,
         cache=args.cache,

@@ -1,7 +1,7 @@
 """A `.gguf` file wherever a checkpoint folder is taken, as llama.cpp, Ollama and vLLM users expect:
 converted once (`staticrt convert`'s float32 folder) into the user's cache, and found there again.
 
-The cache is `$STATICRT_CACHE`, else `$XDG_CACHE_HOME/staticrt`, else `~/.cache/staticrt`; each
+The cache is `artifacts.user_cache.cache_root()`; each
 file converts into `gguf/<stem>-<key>/`, where the key hashes the file's resolved path, size and
 modification time and staticrt's version: a file replaced or edited in place converts again, and
 the old folder stays until the user removes it. The folder is written atomically (a conversion
@@ -12,20 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from pathlib import Path
 
 from .. import __version__
+from ..artifacts.user_cache import cache_root
 
 log = logging.getLogger("staticrt")
-
-
-def cache_root() -> Path:
-    """Where staticrt keeps what it builds for later processes."""
-    if os.environ.get("STATICRT_CACHE"):
-        return Path(os.environ["STATICRT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "staticrt"
 
 
 def converted_folder(gguf: Path) -> Path:

@@ -1,0 +1,241 @@
+"""Compiled step graphs kept across processes: a graph inductor's own cache cannot hold, compiled
+once with AOTInductor and stored in the user's cache (artifacts/user_cache.py), `graphs/<key>/`.
+
+A CPU decode graph freezes its weights and prepacks them for oneDNN (compiled.py's
+`frozen_decode_weights`). Packed constants do not pickle, so inductor's FX cache never holds that
+graph and every process compiled it again: 40 s of a 55 s SmolLM2 start. Here the same step
+(`run_step`, the same freezing) goes through torch.export and AOTInductor into a package whose
+packed weights sit in a file beside the code; a later process loads it in a fraction of a second
+and hands it the live cache's buffers as user-managed constants (no copy), so the other graphs
+and this one write and read the same K/V, as an artifact's programs do (exported.py).
+
+The key hashes everything the graph depends on (`graph_fields`): the weights' bytes, the config,
+dtype, cache kind and shape, the graph's width and choice, threads, torch and staticrt's source,
+the CPU's vector ISA. An entry is a folder written atomically (artifacts/write.py) holding
+step.so (the library: code and packed weights) and entry.json (the fields and its CRC); an entry that does not match or
+does not load is rebuilt with a warning, never run. Two processes filling one entry each build,
+and each rename puts a whole folder in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import shutil
+import time
+import warnings
+import zipfile
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..artifacts.user_cache import cache_root
+from ..artifacts.write import write_folder
+from ..caches import KVCache
+from ..errors import StaticrtError
+from ..models.decoder import Decoder
+from .eager import choice_candidates, run_step
+
+log = logging.getLogger("staticrt")
+
+Key = tuple[int, str, bool]  # a graph: (tokens a row, choice, starts fresh), as compiled.py keys it
+Freezing = Callable[[], AbstractContextManager]
+LIBRARY, ENTRY = "step.so", "entry.json"
+# A frozen graph's packed weights are appended to the library, which the runner maps from the
+# entry's file: pages the kernel may share between processes and drop under pressure, no private
+# copy. Other graphs' libraries hold no weights: they read the model's own (`StoredStep`).
+AOTI_OPTIONS = {
+    True: {"aot_inductor.package_constants_in_so": True, "aot_inductor.force_mmap_weights": True},
+    False: {"aot_inductor.package_constants_in_so": False},
+}
+_SOURCE_DIGEST: list[str] = []
+
+
+def _source_digest() -> str:
+    """staticrt's own code, hashed: a graph traced from other code is another graph."""
+    if not _SOURCE_DIGEST:
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.parent.rglob("*.py")):
+            digest.update(path.read_bytes())
+        _SOURCE_DIGEST.append(digest.hexdigest())
+    return _SOURCE_DIGEST[0]
+
+
+def weights_digest(model: Decoder) -> str:
+    """The weights' names, layouts and bytes, hashed: sha256 a tensor on every thread torch uses
+    (hashlib lets go of the GIL), ~0.3 s for SmolLM2's 517 MB on 2 cores."""
+
+    def one(item: tuple[str, torch.Tensor]) -> str:
+        name, tensor = item
+        digest = hashlib.sha256(f"{name}:{tensor.dtype}:{list(tensor.shape)}:{list(tensor.stride())};".encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        return digest.hexdigest()
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        return hashlib.sha256("".join(pool.map(one, model.state_dict().items())).encode()).hexdigest()
+
+
+def _crc32(path: Path) -> int:
+    value = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def graph_fields(model: Decoder, weights: str, cache: KVCache, key: Key) -> dict[str, Any]:
+    """What a stored graph is valid for; its key is the hash of these fields."""
+    spec = cache.spec
+    return {
+        "graph": list(key),
+        "weights": weights,
+        "config": model.config.to_dict(),
+        "dtype": str(next(model.parameters()).dtype),
+        "cache": [type(cache).__name__, spec.kind, spec.max_batch_size, spec.max_cache_len, spec.window],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "staticrt": [__version__, _source_digest()],
+        "cpu": [platform.machine(), torch.backends.cpu.get_cpu_capability()],
+    }
+
+
+class StepModule(torch.nn.Module):
+    """`run_step` of one graph as a module, so torch.export sees weights and cache buffers as
+    named constants (`model.*`, `cache.*`) and the sampling arguments as inputs."""
+
+    def __init__(self, model: Decoder, cache: KVCache, key: Key, freezing: Freezing | None, layers_once: bool) -> None:
+        super().__init__()
+        self.model, self.cache = model, cache
+        self.key, (_, self.choice, self.fresh) = key, key
+        self.freezing, self.frozen, self.layers_once = freezing, freezing is not None, layers_once
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return run_step(
+            self.model,
+            self.cache,
+            *inputs,
+            candidates=choice_candidates(self.choice),
+            fresh=self.fresh,
+            layers_once=self.layers_once,
+            either=self.choice == "pick",
+        )
+
+
+def live_addresses(step: StepModule) -> list[int]:
+    """Where the model's weights and the cache's buffers live: a stored step points at them."""
+    return [t.data_ptr() for t in [*step.parameters(), *step.buffers()]]
+
+
+class StoredStep:
+    """A step function (`run_step`'s signature) running a compiled library over the live model and
+    cache: every constant the library names after a weight (`model.*`) or a cache buffer
+    (`cache.*`) is that very tensor (user-managed: no copy), so it writes the K/V the other graphs
+    read, and a library stored without its weights (`AOTI_OPTIONS`) reads the model's own."""
+
+    def __init__(self, library: Path, step: StepModule) -> None:
+        self._runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
+        live = {name: t.detach() for name, t in [*step.named_parameters(), *step.named_buffers()]}
+        names = self._runner.get_constant_names_to_original_fqns()  # the library's name -> fqn
+        # A frozen library holds its weights (packed); the K/V are always the live cache's.
+        needed = [fqn for fqn in names.values() if not step.frozen or fqn.startswith("cache.")]
+        missing = [fqn for fqn in needed if fqn not in live]
+        if missing:
+            raise StaticrtError(f"{library} reads constants {missing[:3]} that this model and cache lack")
+        supplied = {name: live[fqn] for name, fqn in names.items() if fqn in live}
+        self._runner.update_constant_buffer(supplied, False, False, True)
+        self.addresses = live_addresses(step)  # what the runner now points at
+        self._candidates = choice_candidates(step.choice)
+
+    def __call__(self, model: Decoder, cache: KVCache, *inputs: Any, **_: Any) -> Any:
+        # ids, write index, num new, temperature, top k, top p, uniform (none for a beam step)
+        *given, uniform = inputs[:7]
+        outputs = self._runner.run([*given, torch.zeros(len(given[0])) if uniform is None else uniform])
+        return tuple(outputs) if self._candidates else outputs[0]
+
+
+class GraphStore:
+    """The `graphs/` folder of the user's cache, for one model and cache (a backend's)."""
+
+    def __init__(self, model: Decoder, cache: KVCache) -> None:
+        self.model, self.cache = model, cache
+        self.root = cache_root() / "graphs"
+        self._weights: tuple[list[tuple[int, int]], str] | None = None  # (stamps, digest) of the weights
+        self.loaded: dict[Key, Path] = {}  # graphs this process loaded from an entry rather than compiled
+
+    def folder(self, step: StepModule) -> tuple[Path, dict[str, Any]]:
+        """Where the graph of `step` is stored, and the fields that key it."""
+        # Weights written in place or replaced since they were hashed are hashed again: a frozen
+        # graph built now packs the new ones and must not be found under the old ones' key.
+        stamps = [(p.data_ptr(), p._version) for p in self.model.parameters()]
+        if self._weights is None or self._weights[0] != stamps:
+            self._weights = (stamps, weights_digest(self.model))
+        fields = graph_fields(self.model, self._weights[1], self.cache, step.key) | {
+            "frozen": step.frozen,
+            "layers_once": step.layers_once,
+        }
+        text = json.dumps(fields, sort_keys=True)
+        return self.root / hashlib.sha256(text.encode()).hexdigest()[:24], json.loads(text)  # as entry.json reads
+
+    def graph(self, key: Key, freezing: Freezing | None, layers_once: bool) -> StepModule:
+        """The step of the graph `key` as the store traces it: `freezing` is the context a frozen
+        graph compiles within (compiled.py's `frozen_decode_weights`), None for weights as inputs."""
+        return StepModule(self.model, self.cache, key, freezing, layers_once)
+
+    def holds(self, step: StepModule) -> bool:
+        return (self.folder(step)[0] / ENTRY).is_file()
+
+    def load(self, step: StepModule) -> StoredStep:
+        """The graph of `step`, loaded from its entry, or first compiled and stored."""
+        folder, fields = self.folder(step)
+        if (folder / ENTRY).is_file():
+            try:
+                stored = self._load(folder, fields, step)
+                self.loaded[step.key] = folder
+                return stored
+            except (OSError, ValueError, RuntimeError, StaticrtError) as err:
+                log.warning("the stored graph in %s is unusable (%s); compiling it again", folder, err)
+        write_folder(folder, lambda work: self._build(work, fields, step))
+        return StoredStep(folder / LIBRARY, step)
+
+    def _load(self, folder: Path, fields: dict[str, Any], step: StepModule) -> StoredStep:
+        recorded = json.loads((folder / ENTRY).read_text())
+        if recorded.get("fields") != fields:
+            raise ValueError("its entry.json records other fields than this graph's")
+        if recorded.get("crc32") != _crc32(folder / LIBRARY):  # 4 GB/s: a torn or altered file, not an attack
+            raise ValueError(f"{LIBRARY} does not check to what entry.json records")
+        return StoredStep(folder / LIBRARY, step)
+
+    def _build(self, work: Path, fields: dict[str, Any], step: StepModule) -> None:
+        from torch._inductor import aoti_compile_and_package
+
+        width, batch = step.key[0], self.cache.spec.max_batch_size
+        inputs = (
+            torch.zeros(batch, width, dtype=torch.int64),  # input_ids [B, T]
+            torch.zeros(batch, dtype=torch.int64),  # write_index [B]
+            torch.ones(batch, dtype=torch.int64),  # num_new [B]
+            torch.ones(batch),  # temperature [B]
+            torch.ones(batch, dtype=torch.int64),  # top_k [B]
+            torch.ones(batch),  # top_p [B]
+            torch.zeros(batch),  # uniform [B]
+        )
+        with torch.no_grad(), warnings.catch_warnings():  # freezing needs grad off; torch's LeafSpec notice
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
+            program = torch.export.export(step, inputs, strict=False)
+            with step.freezing() if step.freezing else nullcontext():
+                options = AOTI_OPTIONS[step.frozen]
+                package = aoti_compile_and_package(program, inductor_configs=options, package_path=str(work / "p.pt2"))
+        with zipfile.ZipFile(package) as archive:  # the library alone is the graph (and a frozen one's weights)
+            (library,) = [n for n in archive.namelist() if n.endswith(".so") and "/aotinductor/" in n]
+            with archive.open(library) as source, open(work / LIBRARY, "wb") as target:
+                shutil.copyfileobj(source, target, 1 << 24)
+        Path(package).unlink()
+        entry = {"fields": fields, "crc32": _crc32(work / LIBRARY), "written": time.time()}
+        (work / ENTRY).write_text(json.dumps(entry, indent=1) + "\n")

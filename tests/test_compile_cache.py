@@ -1,0 +1,212 @@
+"""The compile cache (backends/graph_store.py): a compiled CPU graph stored once and loaded by every
+later backend and process instead of compiled; a corrupt, mismatched or stale entry compiled again,
+never run; two processes filling one entry at once; `staticrt cache list|clear`.
+
+The model is a transformers Llama of hidden 256 (saved with save_pretrained, the oracle's tokens):
+the smallest size the store serves (`FREEZE_MIN_HIDDEN`), with a frozen, packed decode graph."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_models import hf_greedy, save_hf_model
+
+import staticrt
+from staticrt import GenerationError
+from staticrt.backends.compiled import FREEZE_MIN_HIDDEN
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def llama_256(tmp_path_factory):
+    pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
+    folder = tmp_path_factory.mktemp("llama-256")
+    hf = save_hf_model("llama", folder, hidden_size=FREEZE_MIN_HIDDEN, intermediate_size=512)
+    return folder, [hf_greedy(hf, p, NEW) for p in PROMPTS]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def compiled_run(model: staticrt.Generator) -> tuple[list[list[int]], list[str]]:
+    """A new compiled backend's tokens for PROMPTS, and what the staticrt log said meanwhile."""
+    gen = staticrt.Generator(model, max_batch_size=2, max_cache_len=64, backend="compiled", prefill_buckets=[16])
+    logger, lines = logging.getLogger("staticrt"), _Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        return gen.generate(PROMPTS, NEW), lines.lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+
+
+def entries(kind: str = "graphs") -> list[Path]:
+    return sorted((Path(os.environ["STATICRT_CACHE"]) / kind).iterdir())
+
+
+@pytest.fixture(scope="module")
+def stored(llama_256, tmp_path_factory):
+    """`compiled_run`'s graphs compiled once for the module, with what the log said: each test
+    starts from a copy (`from_stored`) rather than compiling them again."""
+    root = tmp_path_factory.mktemp("stored")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STATICRT_CACHE", str(root))
+        tokens, said = compiled_run(staticrt.load_model(llama_256[0]))
+    return root / "graphs", tokens, said
+
+
+def from_stored(stored) -> list[Path]:
+    shutil.copytree(stored[0], Path(os.environ["STATICRT_CACHE"]) / "graphs")
+    return entries()
+
+
+def test_a_new_backend_loads_the_stored_graphs_and_gives_transformers_tokens(llama_256, stored):
+    folder, expected = llama_256
+    _, tokens, said = stored
+    assert tokens == expected
+    assert [line.split(" in ")[0] for line in said if line.startswith("compiled the")] == [
+        "compiled the prefill16 step graph",
+        "compiled the decode step graph",
+    ]
+    kept = from_stored(stored)
+    model = staticrt.load_model(folder)
+    assert len(kept) == 2 and all((e / "step.so").is_file() and (e / "entry.json").is_file() for e in kept)
+    # the decode library holds the packed weights, the prefill one reads the model's own
+    prefill, decode = sorted(kept, key=lambda e: (e / "step.so").stat().st_size)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert (prefill / "step.so").stat().st_size < weights < (decode / "step.so").stat().st_size
+
+    tokens, said = compiled_run(model)
+    assert tokens == expected
+    assert [re.sub(r"about \d+ s left", "about N s left", line.split(" in ")[0]) for line in said] == [
+        "loading the prefill16 step graph, 1 of 2 (first use; later generations reuse it) ...",
+        f"loaded from the compile cache, {prefill}, the prefill16 step graph",
+        "loading the decode step graph, 2 of 2 (first use; later generations reuse it; about N s left) ...",
+        f"loaded from the compile cache, {decode}, the decode step graph",
+    ]
+    assert entries() == kept  # nothing new written
+
+
+def test_a_corrupt_or_mismatched_entry_is_compiled_again_with_a_warning(llama_256, stored):
+    folder, expected = llama_256
+    decode = max(from_stored(stored), key=lambda e: (e / "step.so").stat().st_size)
+    library = decode / "step.so"
+    with open(library, "r+b") as f:  # one byte flipped in the packed weights, the size kept
+        f.seek(library.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    model = staticrt.load_model(folder)
+    tokens, said = compiled_run(model)
+    assert tokens == expected
+    assert (
+        f"the stored graph in {decode} is unusable (step.so does not check to what entry.json records); "
+        "compiling it again"
+    ) in said
+    assert said[-1].startswith("compiled the decode step graph")
+
+    entry = json.loads((decode / "entry.json").read_text())
+    entry["fields"]["torch"] = "0.0.0"  # an entry written for another torch, in this key's folder
+    (decode / "entry.json").write_text(json.dumps(entry))
+    tokens, said = compiled_run(model)
+    assert tokens == expected
+    assert (
+        f"the stored graph in {decode} is unusable (its entry.json records other fields than this graph's); "
+        "compiling it again"
+    ) in said
+    assert compiled_run(model)[1][-1].startswith("loaded from the compile cache")  # whole again
+
+
+def test_changed_weights_miss_the_cache(llama_256, stored):
+    folder, expected = llama_256
+    kept = from_stored(stored)
+    model = staticrt.load_model(folder)
+    with torch.no_grad():
+        model.layers[0].mlp.down_proj.weight.mul_(-1)
+    eager = staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(PROMPTS, NEW)
+    assert eager != expected  # the change shows in the tokens
+    tokens, said = compiled_run(model)
+    assert tokens == eager
+    assert [line.split(",")[0] for line in said if line.endswith("...")] == [
+        "compiling the prefill16 step graph",
+        "compiling the decode step graph",
+    ]
+    assert len(entries()) == len(kept) + 2
+
+
+def cli(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "staticrt.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_two_processes_fill_one_entry_at_once_and_a_third_loads_it(llama_256, tmp_path):
+    """Two cold `run`s at once each compile and store the same graphs (each rename puts a whole
+    folder in place); a third process loads them, compiles nothing, and gives the same tokens."""
+    folder, expected = llama_256
+    run = ["run", "--model", str(folder), "--backend", "compiled", "--max-new-tokens", str(NEW), "--json"]
+    run += ["--prompt-ids", ",".join(map(str, PROMPTS[1])), "--threads", "1"]
+    together = [cli(*run), cli(*run)]
+    said = [p.communicate(timeout=600) for p in together]
+    for process, (out, err) in zip(together, said):
+        assert process.returncode == 0, err
+        assert json.loads(out)["tokens"] == [expected[1]]
+        assert "compiling the decode step graph" in err
+    assert len(entries()) == 2 and not [p for p in entries()[0].parent.iterdir() if p.name.startswith(".")]
+    third = cli(*run)
+    out, err = third.communicate(timeout=600)
+    assert json.loads(out)["tokens"] == [expected[1]]
+    assert "compiling" not in err and err.count("loaded from the compile cache") == 2
+
+    listing = cli("cache", "list", "--format", "csv")
+    out, _ = listing.communicate(timeout=60)
+    rows = out.strip().splitlines()
+    assert rows[0] == "kind,entry,MB,days unused,holds" and len(rows) == 3
+    assert any("decode (pick) of a 2-layer llama of hidden 256, static cache 1x256, 1 threads" in r for r in rows)
+    foreign = entries()[0].parent / "notes.txt"  # something of the user's beside the entries
+    foreign.write_text("mine")
+    out, err = cli("cache", "clear", "--kind", "graphs").communicate(timeout=60)
+    assert err.startswith("removed 2 entries (")
+    assert entries() == [foreign]
+
+
+def test_a_weight_replaced_after_loading_is_read_by_the_stored_graph_that_runs_next(llama_256, stored):
+    """A stored graph points at the model's tensors; a weight replaced by a new tensor between
+    generations (where dynamo's guards would recompile) makes the graph load again for the new one,
+    never read the old tensor's memory. The frozen decode graph refuses the change by name."""
+    folder, _ = llama_256
+    from_stored(stored)
+    model = staticrt.load_model(folder)
+    gen = staticrt.Generator(model, max_batch_size=2, max_cache_len=64, backend="compiled", prefill_buckets=[16])
+    before = gen.generate(PROMPTS, 1)  # the prefill graph alone
+    layer = model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * -1, requires_grad=False)
+    eager = staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(PROMPTS, 1)
+    assert eager != before  # the change shows in the first tokens
+    assert gen.generate(PROMPTS, 1) == eager
+    # the decode graph, first built now, packs the new weights; once built, a replacement is refused
+    assert gen.generate(PROMPTS, 4) == staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(
+        PROMPTS, 4
+    )
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * -1, requires_grad=False)
+    with pytest.raises(GenerationError, match="weights changed in place after its decode graph froze them"):
+        gen.generate(PROMPTS, 4)
