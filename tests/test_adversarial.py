@@ -355,6 +355,15 @@ def test_broken_config_json_is_named(checkpoint, capsys):
     assert err.startswith(f"staticrt run: {config}: field num_attention_heads is 0") and "Traceback" not in err
 
 
+def test_a_loaded_model_keeps_no_page_of_its_checkpoint_mapped(checkpoint):
+    """Loading copies every tensor (column-major, fused, cast) and closes the file's map after
+    each: a tensor left on the map would keep every page read resident beside the copies."""
+    weights = str((checkpoint / "model.safetensors").resolve())
+    model = staticrt.load_model(checkpoint)
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(weights)]
+    assert model.config.num_layers > 0 and mapped == []
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "corrupt"])
 def test_a_damaged_safetensors_file_is_named(checkpoint, damage):
     weights = checkpoint / "model.safetensors"

@@ -231,23 +231,24 @@ def test_an_export_interrupted_in_its_last_stage_leaves_no_folder(tmp_path, monk
     assert list(tmp_path.iterdir()) == []  # neither the artifact nor a temporary folder
 
 
-def test_cold_start_bench_times_fresh_processes_for_every_program_kind(artifacts, tmp_path):
+def test_cold_start_bench_starts_every_program_cold_and_warm_with_the_same_first_token(artifacts, tmp_path):
+    """Every way to run the artifact's model, and transformers on the same weights, each from a
+    fresh process twice: all give the artifact's greedy tokens. An ONNX program's process
+    imports no torch (its peak is below the torch-free floor every torch process is above)."""
     out = tmp_path / "cold.json"
-    assert main(["bench", "--cold-start", str(artifacts["tiny-llama"]), "--json", str(out)]) == 0
+    assert main(["bench", "--cold-start", str(artifacts["tiny-llama"]), "--threads", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report) == {
-        "artifact",
-        "cache",
-        "model",
-        "isa_probe_s",
-        "aoti_s",
-        "pt2_s",
-        "compiled_s",
-        "compiled_over_aoti",
-        "compiled_over_pt2",
-    }
-    assert (report["cache"], report["model"]) == ("static", "tiny-llama")
-    assert report["compiled_over_aoti"] == report["compiled_s"] / report["aoti_s"]
+    assert list(report["programs"]) == ["eager", "compiled", "aoti", "pt2", "onnx", "transformers"]
+    assert (report["cache"], report["model"], report["not_run"]) == ("static", "tiny-llama", {})
+    tokens = load_artifact(artifacts["tiny-llama"], "pt2").generate([[1, 2, 3]], 8)[0]
+    for label, result in report["programs"].items():
+        assert list(result) == ["cold", "warm"], label
+        for phase in result.values():
+            assert phase["tokens"] == tokens, label
+            assert 0 < phase["s"] < phase["all_tokens_s"]
+            torch_free = label == "onnx"
+            assert (phase["peak_rss_mb"] < 150) == torch_free, (label, phase["peak_rss_mb"])
+    assert report["tokens_agree"] is True
 
 
 def test_an_artifact_for_another_cpu_is_refused_for_aoti(artifacts, tmp_path):

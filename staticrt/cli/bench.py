@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from ..bench import run_bench, write_report
-from ..bench.cold_start import cold_start
+from ..bench.cold_start import PHASES, cold_start
 from ..bench.machine import describe
 from .console import console, progress, show_table
 
@@ -101,19 +101,25 @@ def _cache_mb(result: dict[str, Any]) -> str:
 
 
 def _cold_start(args: argparse.Namespace) -> int:
+    gguf = tuple(g.strip() for g in (args.gguf or "").split(",") if g.strip())
     with progress("cold starts") as update:
-        report = cold_start(args.cold_start, ("aoti", "pt2"), on_stage=update)
-    rows = [
-        [label.removesuffix("_s"), value]
-        for label, value in report.items()
-        if label.endswith("_s") and label != "isa_probe_s"
-    ]
-    show_table(f"{args.cold_start}: fresh process to first token", ["programs", "seconds"], rows, args.format)
-    console.print(
-        f"compiled / aoti: {report['compiled_over_aoti']:.1f}x (after a one-time CPU-ISA probe of "
-        f"{report['isa_probe_s']:.1f} s that every inductor user pays once a machine)"
-    )
+        report = cold_start(args.cold_start, gguf, args.threads, on_stage=update)
     if args.json:
         write_report(report, args.json)
         console.print(f"wrote {args.json}")
-    return 0
+    rows = [
+        [label, *(v for phase in PHASES for v in (r[phase]["s"], r[phase]["peak_rss_mb"])), r["warm"]["tokens"][0]]
+        for label, r in report["programs"].items()
+    ]
+    columns = ["program", "cold s", "cold peak MB", "warm s", "warm peak MB", "first token"]
+    title = f"{args.cold_start}: a fresh process to its first token, {describe(report['machine'])}"
+    show_table(title, columns, rows, args.format)
+    for label, how in report["not_run"].items():
+        console.print(f"[yellow]{label} not run: {how}[/]")
+    console.print(
+        f"before these, a one-time CPU-ISA probe of {report['isa_probe_s']:.1f} s that every inductor user pays once "
+        "a machine; peak RSS is each process's own (the compiler's subprocesses are not counted)"
+    )
+    if not report["tokens_agree"]:
+        console.print("[red]programs produced different tokens[/]")
+    return 0 if report["tokens_agree"] else 1

@@ -196,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="ARTIFACT",
-        help="instead: time from a fresh process to the first token with this artifact's AOTInductor "
-        "and pt2 programs, against the compiled backend on the same model (which compiles)",
+        help="instead: from a fresh process to its first token, seconds and peak RSS, cold (empty compile "
+        "caches) and warm, for the artifact's model on the eager and compiled backends, each of its programs, "
+        "transformers, and llama.cpp on --gguf (with --threads)",
     )
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
     bench.add_argument(
