@@ -163,26 +163,24 @@ def test_llamacpp_and_quantized_runs_are_refused_before_anything_loads(tmp_path)
         run_bench("tiny-llama", ["hf"], quantize=("int8",))
 
 
+def _tiny_serve_bench(**settings):
+    """bench-serve on tiny-llama, eager, 2 rows, 3 clients, 1 thread (and `settings`)."""
+    pytest.importorskip("transformers", reason="bench-serve writes the preset with transformers: the test extra")
+    pytest.importorskip("fastapi", reason="bench-serve starts staticrt serve: the serve extra")
+    from staticrt.bench.serve_bench import ServeBenchRequest
+
+    fixed = dict(max_batch_size=2, concurrency=3, prefill_buckets=(16, 32), threads=1)
+    return ServeBenchRequest("tiny-llama", "eager", **fixed, **settings)
+
+
 def test_bench_serve_sends_the_same_requests_to_every_contender():
     """staticrt serve, transformers serve and the one-at-a-time baseline all produce every token
     asked for (random weights, no eos): the same requests, measured the same way."""
-    pytest.importorskip("transformers", reason="bench-serve writes the preset with transformers: the test extra")
-    pytest.importorskip("fastapi", reason="bench-serve starts staticrt serve: the serve extra")
-    from staticrt.bench.serve_bench import ServeBenchRequest, run_serve_bench
+    from staticrt.bench.serve_bench import run_serve_bench
 
-    request = ServeBenchRequest(
-        "tiny-llama",
-        "eager",
-        max_batch_size=2,
-        concurrency=3,
-        requests=6,
-        prompt_range=(4, 40),
-        output_range=(4, 12),
-        prefill_buckets=(16, 32),
-        threads=1,
-        stream_interval=3,
+    report = run_serve_bench(
+        _tiny_serve_bench(requests=6, prompt_range=(4, 40), output_range=(4, 12), stream_interval=3)
     )
-    report = run_serve_bench(request)
     import numpy as np
 
     rng = np.random.default_rng(0)  # the workload's own draws: prompt length, ids, then max_tokens
@@ -198,6 +196,25 @@ def test_bench_serve_sends_the_same_requests_to_every_contender():
     assert set(report["throughput_ratios"]) == {"staticrt_vs_transformers", "staticrt_vs_one_at_a_time"}
     assert report["settings"]["max_cache_len"] == 64 + 12  # the longest prompt in chunks of 32, and its answer
     assert all(results[name]["tpot"]["p50_ms"] > 0 for name in ("staticrt", "transformers"))
+
+
+def test_bench_serve_chat_conversations_keep_their_prefix_only_with_reuse():
+    """The chat workload: 3 clients, 3 turns each after a shared system prompt, on 2 rows. With
+    prefix reuse the server reports kept prompt tokens (the system prompt at least, every turn
+    after the first); without, none; both produce every token asked for."""
+    from staticrt.bench.serve_chat import run_chat_bench
+
+    chat = dict(workload="chat", turns=3, system_len=20)
+    report = run_chat_bench(_tiny_serve_bench(prompt_range=(4, 8), output_range=(4, 6), **chat))
+    results = report["results"]
+    assert set(results) == {"staticrt", "staticrt_no_reuse"}  # a preset has no GGUF for llama.cpp
+    assert all((r["requests"], r["failed"]) == (9, 0) for r in results.values())
+    assert results["staticrt"]["output_tokens"] == results["staticrt_no_reuse"]["output_tokens"]
+    assert (
+        results["staticrt"]["cached_prompt_tokens"] >= 6 * 20
+        and results["staticrt_no_reuse"]["cached_prompt_tokens"] == 0
+    )
+    assert set(report["reuse_ratios"]) == {"ttft_p50_no_reuse_over_reuse", "throughput_reuse_over_no_reuse"}
 
 
 def test_the_load_generator_only_targets_loopback():

@@ -110,7 +110,8 @@ def test_a_prompt_longer_than_the_largest_bucket_is_prefilled_in_chunks(llama):
         return prepare(widths, do_sample, continuing)
 
     prefiller.prepare = recorded
-    app, _ = serve_backend(generator(llama, buckets=(16, 48)).backend, name=MODEL, prefiller=prefiller)
+    backend = generator(llama, buckets=(16, 48)).backend
+    app, _ = serve_backend(backend, name=MODEL, prefiller=prefiller, reuse_prefix=False)  # (reuse needs every width)
     with running(app) as url:
         got = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     assert got.choices[0].model_extra["token_ids"] == expected
@@ -404,11 +405,9 @@ def test_a_server_start_numbers_every_graph_it_builds_in_one_count(llama):
         backend.prepare = prepare
         return backend
 
-    from staticrt.serve import chunk_widths
-
     prefiller = counted(generator(llama, rows=1).backend)
     serve_backend(counted(generator(llama).backend), name=MODEL, prefiller=prefiller)
-    total = len(announced)  # the rows' decode graph, the prefiller's buckets and its continuing chunks
-    assert total == 1 + len(prefiller.buckets) + len(chunk_widths(prefiller)) >= 3
+    total = len(announced)  # the rows' decode graph, the prefiller's buckets, each also continuing (prefix reuse)
+    assert total == 1 + 2 * len(prefiller.buckets) >= 3
     assert announced[0] == f"1 of {total}"
     assert announced[1:] == [f"{i} of {total}; about {2 * (total - i + 1)} s left" for i in range(2, total + 1)]

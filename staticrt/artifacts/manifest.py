@@ -41,6 +41,8 @@ FIELDS: dict[str, tuple[type | None, ...]] = {
     "cache.max_batch_size": (int,),
     "cache.max_cache_len": (int,),
     "cache.max_sequence_len": (int, None),
+    "cache.layers": (list,),
+    "cache.layer_lengths": (list,),
     "dtype": (str,),
     "device": (str,),
     "prefill_buckets": (list,),

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..artifacts.manifest import REEXPORT, field, read_manifest, require_format
 from ..errors import ArtifactError
+from ..generation.prefix import rotating_layouts
 
 FLAGS = {"max_cache_len": "--max-cache-len", "max_batch_size": "--batch-size", "prefill_buckets": "--prefill-buckets"}
 
@@ -26,7 +27,13 @@ class ArtifactBackend:
         self.max_cache_len = field(self.manifest, "cache.max_cache_len")
         self.max_sequence_len = field(self.manifest, "cache.max_sequence_len")
         self.vocab_size = field(self.manifest, "model.config.vocab_size")
-        self.eos_token_ids = tuple(self.manifest["model"]["config"].get("eos_token_ids", ()))
+        config = self.manifest["model"]["config"]
+        self.eos_token_ids = tuple(config.get("eos_token_ids", ()))
+        layers = field(self.manifest, "cache.layers")
+        layer_types = config.get("layer_types") or ["full_attention"] * len(layers)
+        self.rotating_layouts = rotating_layouts(
+            layers, field(self.manifest, "cache.layer_lengths"), layer_types, config.get("sliding_window")
+        )
 
     def check_loaded(self, what: str, recorded: Any, loaded: Any, source: Path) -> None:
         """Refuse a manifest whose `what` differs from the shape of the program or weights loaded."""
@@ -44,9 +51,11 @@ class ArtifactBackend:
         """Nothing beyond the timings: the runtime owns the artifact's memory."""
         return {}
 
-    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True) -> float:
         """Nothing to build: the programs were compiled at export and loaded with the artifact."""
         return 0.0
 
-    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> set[Hashable]:
+    def unbuilt(
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True
+    ) -> set[Hashable]:
         return set()

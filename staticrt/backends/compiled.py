@@ -167,22 +167,28 @@ class CompiledBackend(EagerBackend):
         """Where each weight lives and its in-place write count: what a frozen graph is valid for."""
         return [(p.data_ptr(), p._version) for p in self.model.parameters()]
 
-    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> float:
+    def prepare(
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
+    ) -> float:
         """Compile (and, on CUDA, capture) each graph a generation will use for the first time, by
-        running it once on dummy inputs (zeros, at position 0, or 1 for a `continuing` graph: it
-        writes only K/V that `reset` and the prefill replace), and say so in the log: a 30-layer
-        model takes minutes on a CPU. `candidates` > 0: the graphs of a beam step (`beam_step`)."""
+        running it once on dummy inputs (zeros, at position 0, or 1 for a `continuing` graph), and
+        say so in the log: a 30-layer model takes minutes on a CPU. Rows that may hold tokens a
+        later step continues (`live`) get their cache back afterwards. `candidates` > 0: the
+        graphs of a beam step (`beam_step`)."""
         spent, batch, choice = 0.0, self.batch_size, self.graph_choice(step_choice(do_sample, candidates))
-        todo = self._unbuilt_keys(widths, choice, continuing)
+        todo = self._unbuilt_keys(widths, choice, continuing, fresh)
+        if not todo:
+            return 0.0
+        saved = [buf.clone() for buf in self.cache.state_buffers()] if self.live else None
         count = builds.current(len(todo))
         for key in todo:
-            width, _, fresh = key
+            width, _, starts = key
             name, began, stored = graph_name(*key), time.perf_counter(), self.stored(key)
             log.info(
                 "%s the %s step graph, %s (first use; later generations reuse it%s) ...",
                 *("loading" if stored else "compiling", name, count.number, count.left),
             )
-            write_index = np.full(batch, 0 if fresh or width == 1 else 1, dtype=np.int64)
+            write_index = np.full(batch, 0 if starts or width == 1 else 1, dtype=np.int64)
             ones = np.ones(batch, dtype=np.int64)
             uniforms = np.zeros(batch, dtype=np.float32) if do_sample else None
             inputs = np.zeros((batch, width), dtype=np.int64)
@@ -193,13 +199,18 @@ class CompiledBackend(EagerBackend):
             folder = self.store.loaded.get(key) if self.store else None
             done = f"loaded from the compile cache, {folder}," if folder else "compiled"
             log.info("%s the %s step graph in %.1f s", done, name, time.perf_counter() - began)
+        if saved is not None:
+            with torch.no_grad():
+                for buf, kept in zip(self.cache.state_buffers(), saved, strict=True):
+                    buf.copy_(kept)
         return spent
 
     def unbuilt(
-        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
     ) -> set[Hashable]:
         """The graphs `prepare` with these arguments would build, by (width, choice, fresh)."""
-        return set(self._unbuilt_keys(widths, self.graph_choice(step_choice(do_sample, candidates)), continuing))
+        choice = self.graph_choice(step_choice(do_sample, candidates))
+        return set(self._unbuilt_keys(widths, choice, continuing, fresh))
 
     def graph_choice(self, choice: str) -> str:
         """The graph a step of `choice` runs in. On the CPU greedy and sampling steps share one,
@@ -208,9 +219,11 @@ class CompiledBackend(EagerBackend):
         graph a choice: a graph captured for replay cannot branch on its data."""
         return "pick" if choice in ("greedy", "sample") and self.device.type == "cpu" else choice
 
-    def _unbuilt_keys(self, widths: Sequence[int], choice: str, continuing: bool) -> list[tuple[int, str, bool]]:
+    def _unbuilt_keys(
+        self, widths: Sequence[int], choice: str, continuing: bool, fresh: bool = True
+    ) -> list[tuple[int, str, bool]]:
         limit = self.max_sequence_len
-        keys = [(width, choice, width > 1) for width in widths]  # at position 0 a prefill starts fresh
+        keys = [(width, choice, width > 1) for width in widths if fresh or width == 1]  # a prefill at 0 starts fresh
         if continuing:  # and from position 1, where a continuing step of that width fits
             keys += [(w, choice, False) for w in widths if w > 1 and (limit is None or w < limit)]
         return [key for key in dict.fromkeys(keys) if key not in self._built]

@@ -12,6 +12,7 @@ import torch
 from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
 from ..errors import CacheError, GenerationError, as_int
 from ..generation.loop import SamplingParams, default_buckets, per_row
+from ..generation.prefix import Layouts, rotating_layouts
 from ..generation.sampling import beam_candidates, greedy, pick, sample
 from ..models.decoder import Decoder
 
@@ -130,10 +131,17 @@ class EagerBackend:
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
         self.buckets = buckets
+        self.live = False  # whether a row may hold tokens a later step continues: steps set it, `reset` clears it
 
     @property
     def cache_kind(self) -> str:
         return self.cache.kind
+
+    @property
+    def rotating_layouts(self) -> Layouts:
+        cache, config = self.cache, self.model.config
+        layouts = [cache.layer_layout(i) for i in range(len(cache.rotating))]
+        return rotating_layouts(layouts, cache.layer_lengths, config.layer_types, config.sliding_window)
 
     def step_function(self, seq_len: int, choice: str, fresh: bool) -> StepFn:
         """The callable that runs a step of `seq_len` tokens a row choosing as `choice` says
@@ -143,18 +151,21 @@ class EagerBackend:
 
     def reset(self) -> None:
         self.cache.reset()
+        self.live = False
 
     def adopt_row(self, row: int, source: EagerBackend, source_row: int) -> None:
         """Row `row` of this cache takes `source`'s row `source_row` (a backend over the same
         model and cache layout, of any batch size): a prompt prefilled alone joins the batch."""
         self.cache.copy_row(source.cache, source_row, row)
 
-    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0) -> float:
+    def prepare(
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
+    ) -> float:
         """Nothing to build: eager runs the step as it is."""
         return 0.0
 
     def unbuilt(
-        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, candidates: int = 0
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
     ) -> set[Hashable]:
         return set()
 
@@ -175,6 +186,7 @@ class EagerBackend:
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
         choice = step_choice(uniforms is not None)
+        self.live = True
         next_ids = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
         return next_ids.cpu().numpy()  # the step's one device-to-host read
 
@@ -183,6 +195,7 @@ class EagerBackend:
     ) -> tuple[np.ndarray, np.ndarray]:
         """A step of beam search: each row's `candidates` best next tokens, as log-probabilities
         `[B, k]` float32 (descending) and ids `[B, k]` int64 (`sampling.beam_candidates`)."""
+        self.live = True
         scores, ids = self.run(step_choice(False, candidates), input_ids, write_index, num_new, SamplingParams(), None)
         return scores.cpu().numpy(), ids.cpu().numpy()
 

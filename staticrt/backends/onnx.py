@@ -139,7 +139,8 @@ class OnnxBackend(ArtifactBackend):
         self, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`input_ids [B, S]`, `attention_mask [B, T]`, `position_ids [B, S]` in the graph's layout:
-        a first step places each row's `num_new` tokens at the right end of `max(num_new)` columns."""
+        a first step places each row's `num_new` tokens at the right end of `max(num_new)` columns;
+        a later one adds `num_new` columns (the loop's padding stripped)."""
         batch = self.batch_size
         if self.columns == 0:
             seq_len = int(num_new.max())
@@ -153,9 +154,12 @@ class OnnxBackend(ArtifactBackend):
                 ids[r, seq_len - n :] = input_ids[r, :n]
                 positions[r, seq_len - n :] = write_index[r] + np.arange(n)
                 self.mask[r, seq_len - n : seq_len] = 1
-        else:  # decode: one real token a row, at the next column
-            seq_len = input_ids.shape[1]
-            ids, positions = input_ids, write_index[:, None] + np.arange(seq_len)
+        else:  # one real token a row at the next column, or (batch 1) a row continued from a kept prefix
+            if batch == 1:  # one row without holes: its columns are its positions; a kept prefix ends at write_index
+                self.columns = int(write_index[0])
+                self.mask[:, self.columns :] = 0
+            seq_len = int(num_new.max())
+            ids, positions = input_ids[:, :seq_len], write_index[:, None] + np.arange(seq_len)
             self._grow_mask(self.columns + seq_len)
             self.mask[:, self.columns : self.columns + seq_len] = 1
         self.columns += seq_len

@@ -6,6 +6,8 @@ started, measured and stopped in turn, so no two share the CPU; then the same re
 a time through `Generator.generate` (batch 1, same backend and buckets) in this process, the
 baseline continuous batching must beat.
 
+The chat workload is serve_chat.py's.
+
 A preset has no files, so it is first written as a checkpoint folder (config.json, safetensors)
 with a word-level tokenizer whose words `t0 .. t{V-1}` are the token ids: every server reads the
 same weights and turns the same text into the same ids.
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
-from .serve_load import LoadRequest, run_load, workload
+from .serve_load import LoadRequest, run_chat_load, run_load, workload
 
 Stage = Callable[[str], None]
 
@@ -47,19 +49,31 @@ class ServeBenchRequest:
     transformers: bool = True
     stream_interval: int = 1  # staticrt serve's tokens a chunk after the first (transformers serve: 1)
     device: str = "cpu"  # every contender's model: cpu, cuda or cuda:N
+    workload: str = "random"  # or "chat": `concurrency` clients, each a conversation of `turns` turns
+    turns: int = 4
+    system_len: int = 200  # the chat workload's shared system prompt, in tokens
 
     @property
     def max_cache_len(self) -> int:
-        """Room for the longest prompt's bucket (chunks of the largest) and the longest answer."""
-        largest = self.prefill_buckets[-1]
-        prompt = -(-self.prompt_range[1] // largest) * largest
-        return prompt + self.output_range[1]
+        """Room for the longest prompt's bucket (chunks of the largest) and the longest answer. A
+        conversation's last prompt holds the system prompt, every turn and every answer but the
+        last, those re-tokenised from their text (a quarter more, to be safe)."""
+        largest, answer = self.prefill_buckets[-1], self.output_range[1]
+        if self.workload == "chat":
+            prompt = self.system_len + self.turns * self.prompt_range[1] + (self.turns - 1) * answer * 5 // 4
+            return max(-(-prompt // largest) * largest, prompt + answer)
+        return -(-self.prompt_range[1] // largest) * largest + answer
 
 
 def checkpoint_folder(model: str, work: Path) -> Path:
-    """`model` itself when it is a folder; a preset written as a checkpoint folder in `work`."""
+    """`model` itself when it is a folder, the folder a GGUF file converts into (once, cached), or
+    a preset written as a checkpoint folder in `work`."""
     from ..models.presets import PRESETS
 
+    if model.endswith(".gguf"):
+        from ..loading.gguf_folders import local_checkpoint
+
+        return Path(local_checkpoint(model))
     if model not in PRESETS:
         if not (Path(model) / "tokenizer.json").is_file():
             raise GenerationError(f"{model} has no tokenizer.json; bench-serve sends text prompts, as users do")
@@ -93,8 +107,10 @@ def _free_port() -> int:
 
 
 @contextmanager
-def server_process(command: list[str], port: int, env: dict[str, str], timeout_s: float) -> Iterator[str]:
-    """`command` (a server listening on `port`) running until left; yields its URL once /health answers."""
+def server_process(
+    command: list[str], port: int, env: dict[str, str], timeout_s: float, health: str = "/health"
+) -> Iterator[str]:
+    """`command` (a server listening on `port`) running until left; yields its URL once `health` answers."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
@@ -109,7 +125,7 @@ def server_process(command: list[str], port: int, env: dict[str, str], timeout_s
                 why = f"exited with {process.returncode}" if process.poll() is not None else f"not up in {timeout_s} s"
                 raise GenerationError(f"{' '.join(command[:4])} ... {why}:\n{tail}")
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}{health}", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -124,11 +140,19 @@ def server_process(command: list[str], port: int, env: dict[str, str], timeout_s
         log.close()
 
 
-def _measure(command: list[str], model: str, request: ServeBenchRequest, load: list[LoadRequest]) -> dict[str, Any]:
+def measure_server(
+    command: list[str], model: str, request: ServeBenchRequest, load: Any, health: str = "/health"
+) -> dict[str, Any]:
+    """The load on the server `command` starts: `load` a list of requests, or a chat workload's
+    (system prompt, conversations); after one warm-up request, so first-use costs stay out."""
     port = _free_port()
     env = {"OMP_NUM_THREADS": str(request.threads)} if request.threads else {}
-    with server_process([*command, "--port", str(port)], port, env, timeout_s=900) as url:
-        run_load(url, model, load[:1], 1, request.duration_s)  # warm-up: first-use costs stay out
+    with server_process([*command, "--port", str(port)], port, env, timeout_s=900, health=health) as url:
+        if isinstance(load, tuple):
+            system, conversations = load
+            run_load(url, model, [LoadRequest("warm-up", 4)], 1, request.duration_s)  # shares no prefix
+            return run_chat_load(url, model, system, conversations, request.duration_s)
+        run_load(url, model, load[:1], 1, request.duration_s)
         return run_load(url, model, load, request.concurrency, request.duration_s)
 
 
@@ -197,11 +221,13 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
         load = workload(tokenizer, vocab, request.requests, request.prompt_range, request.output_range, request.seed)
         results: dict[str, Any] = {}
         on_stage(f"staticrt serve ({request.backend}; starting, compiling, then {len(load)} requests)")
-        results["staticrt"] = _measure(staticrt_command(folder, request), "bench", request, load)
+        results["staticrt"] = measure_server(staticrt_command(folder, request), "bench", request, load)
         if request.transformers:
             on_stage(f"transformers serve --continuous-batching ({len(load)} requests)")
             try:
-                results["transformers"] = _measure(transformers_command(folder, request), str(folder), request, load)
+                results["transformers"] = measure_server(
+                    transformers_command(folder, request), str(folder), request, load
+                )
             except GenerationError as err:
                 results["transformers"] = {"error": str(err)}
         on_stage(f"one request at a time through Generator.generate ({len(load)} requests)")

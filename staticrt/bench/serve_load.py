@@ -8,6 +8,11 @@ one whose choice has no `finish_reason`; TTFT is the time to the first, ITL the 
 next ones (between chunks, as vLLM's `bench serve` counts it, whatever a chunk holds), TPOT a
 request's time after its first token over the tokens after it; tokens are counted from `usage`
 (or the chunks' `token_ids`, else one a chunk, where a server sends none).
+
+The chat workload (`chat_workload`, `run_chat_load`) is a client a conversation: every client
+sends its turns one after another, each prompt the shared system prompt and the conversation so
+far with the answers as the server streamed them, the way a chat front end calls a completions
+API; what a server keeps of a prompt it saw before is what it saves.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class Record:
     tokens: int = 0
     last: float = 0.0  # the last token chunk's time
     error: str | None = None
+    text: str = ""  # the answer's text, as streamed
+    cached: int = 0  # prompt tokens the server kept from an earlier request (usage's cached_tokens)
 
 
 def workload(
@@ -52,6 +59,35 @@ def workload(
         ids = rng.integers(0, vocab_size, size=int(rng.integers(prompt_range[0], prompt_range[1] + 1))).tolist()
         requests.append(LoadRequest(tokenizer.decode(ids), int(rng.integers(output_range[0], output_range[1] + 1))))
     return requests
+
+
+def chat_workload(
+    tokenizer: Any,
+    vocab_size: int,
+    clients: int,
+    turns: int,
+    system_len: int,
+    user_range: tuple[int, int],
+    output_range: tuple[int, int],
+    seed: int,
+) -> tuple[str, list[list[LoadRequest]]]:
+    """A system prompt of `system_len` random tokens' text, and for each of `clients` a
+    conversation of `turns` user turns (lengths and max_tokens drawn from the ranges): each
+    request's `prompt` is the turn's own text, which the client adds to its conversation."""
+    rng = np.random.default_rng(seed)
+    text = lambda n: tokenizer.decode(rng.integers(0, vocab_size, size=n).tolist())  # noqa: E731
+    system = text(system_len)
+    conversations = [
+        [
+            LoadRequest(
+                text(int(rng.integers(user_range[0], user_range[1] + 1))),
+                int(rng.integers(output_range[0], output_range[1] + 1)),
+            )
+            for _ in range(turns)
+        ]
+        for _ in range(clients)
+    ]
+    return system, conversations
 
 
 def check_loopback(url: str) -> None:
@@ -84,7 +120,10 @@ async def _one(client: Any, url: str, model: str, request: LoadRequest) -> Recor
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     record.tokens = int(chunk["usage"]["completion_tokens"])
+                    record.cached = int((chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                 choices = chunk.get("choices") or []
+                if choices:
+                    record.text += choices[0].get("text") or ""
                 if choices and choices[0].get("finish_reason") is None:
                     if record.ttft is None:
                         record.ttft = now - start
@@ -117,6 +156,45 @@ async def _load(
     async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
     return records, time.perf_counter() - start
+
+
+async def _chat_load(
+    url: str, model: str, system: str, conversations: list[list[LoadRequest]], duration_s: float
+) -> tuple[list[Record], float]:
+    import httpx
+
+    records: list[Record] = []
+    start = time.perf_counter()
+    deadline = start + duration_s
+
+    async def client_loop(client: Any, turns: list[LoadRequest]) -> None:
+        conversation = system
+        for turn in turns:
+            if time.perf_counter() >= deadline:
+                return
+            conversation += turn.prompt
+            record = await _one(client, url, model, LoadRequest(conversation, turn.max_tokens))
+            records.append(record)
+            if record.error is not None:
+                return
+            conversation += record.text
+
+    limits = httpx.Limits(max_connections=len(conversations))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
+        await asyncio.gather(*(client_loop(client, turns) for turns in conversations))
+    return records, time.perf_counter() - start
+
+
+def run_chat_load(
+    url: str, model: str, system: str, conversations: list[list[LoadRequest]], duration_s: float
+) -> dict[str, Any]:
+    """Each conversation of `chat_workload` from its own client, all at once; no turn starts after
+    `duration_s`. The summary (`summary`), with the prompt tokens the server said it kept."""
+    check_loopback(url)
+    records, wall = asyncio.run(_chat_load(url, model, system, conversations, duration_s))
+    report = summary(records, wall, sum(map(len, conversations)))
+    report["cached_prompt_tokens"] = sum(r.cached for r in records if r.error is None)
+    return report
 
 
 def run_load(url: str, model: str, requests: list[LoadRequest], concurrency: int, duration_s: float) -> dict[str, Any]:

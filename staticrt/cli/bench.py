@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ..bench import run_bench, write_report
+from ..bench.chat_turns import chat_turns
 from ..bench.cold_start import PHASES, cold_start
 from ..bench.machine import describe
 from .console import console, progress, show_table
@@ -14,6 +15,8 @@ from .console import console, progress, show_table
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.cold_start is not None:
         return _cold_start(args)
+    if args.chat_turns is not None:
+        return _chat_turns(args)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "hf" in backends:
         try:
@@ -123,3 +126,28 @@ def _cold_start(args: argparse.Namespace) -> int:
     if not report["tokens_agree"]:
         console.print("[red]programs produced different tokens[/]")
     return 0 if report["tokens_agree"] else 1
+
+
+def _chat_turns(args: argparse.Namespace) -> int:
+    backend = args.backends.split(",")[0].strip()
+    with progress("chat turns") as update:
+        report = chat_turns(args.model, args.chat_turns, backend, args.threads, args.new_tokens, on_stage=update)
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    rows = [
+        [
+            row["turn"],
+            row["reuse"]["prompt_tokens_kept"],
+            row["reuse"]["first_token_warm_ms"],
+            row["no_reuse"]["first_token_warm_ms"],
+            row["first_token_no_reuse_over_reuse"],
+        ]
+        for row in report["turns"]
+    ]
+    columns = ["turn", "tokens kept", "first token ms (reuse)", "first token ms (none)", "ratio"]  # compile excluded
+    title = f"staticrt chat {args.model} ({backend}), {describe(report['machine'])}"
+    show_table(title, columns, rows, args.format)
+    if not report["answers_agree"]:
+        console.print("[red]the answers with and without prefix reuse differ[/]")
+    return 0 if report["answers_agree"] else 1

@@ -9,6 +9,7 @@ from typing import Any
 from ..bench import write_report
 from ..bench.machine import describe
 from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
+from ..bench.serve_chat import run_chat_bench
 from .console import console, progress, show_table
 from .session import model_device
 
@@ -32,9 +33,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         transformers=transformers,
         stream_interval=args.stream_interval,
         device=model_device(args.device, args.backend),
+        workload=args.workload,
+        turns=args.turns,
+        system_len=args.system_len,
     )
     with progress("bench-serve") as update:
-        report = run_serve_bench(request, on_stage=update)
+        report = (run_chat_bench if request.workload == "chat" else run_serve_bench)(request, on_stage=update)
     _show(request, report, args.format)
     if args.json:
         write_report(report, args.json)
@@ -55,16 +59,22 @@ def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
             continue
         done = f"{r['requests'] - r.get('failed', 0)}/{r['requests']}"
         latencies = [_ms(r.get(key), p) for key in ("ttft", "itl", "tpot") for p in ("p50_ms", "p99_ms")]
-        rows.append([name, done, r["output_tokens"], r["output_tokens_per_s"], *latencies])
+        cached = [r.get("cached_prompt_tokens", "-")] if request.workload == "chat" else []
+        rows.append([name, done, r["output_tokens"], r["output_tokens_per_s"], *latencies, *cached])
     title = (
         f"{request.model} ({request.backend}), {request.max_batch_size} rows, {request.concurrency} clients, "
         f"{describe(report['machine'])}, {request.stream_interval} token(s) a chunk"
     )
     columns = ["contender", "done", "tokens", "tok/s"]
     columns += [f"{key} {p} ms" for key in ("TTFT", "ITL", "TPOT") for p in ("p50", "p99")]
+    if request.workload == "chat":
+        title += f"; chat: a system prompt of {request.system_len} tokens, {request.turns} turns a client"
+        columns.append("prompt tokens kept")
     show_table(title, columns, rows, fmt)
     for name, r in report["results"].items():
         for error in r.get("errors", []):
             console.print(f"[red]{name}: {error}[/]", soft_wrap=True)
-    for key, value in report["throughput_ratios"].items():
+    for key, value in report.get("throughput_ratios", {}).items():
         console.print(f"throughput {key}: {value:.2f}x")
+    for key, value in report.get("reuse_ratios", {}).items():
+        console.print(f"{key.replace('_', ' ')}: {value:.2f}x" if value is not None else f"{key}: -")

@@ -1,15 +1,18 @@
 """`staticrt chat`: a conversation in the terminal, each answer streamed as whole characters.
 
 Every turn renders the whole conversation with the checkpoint's template and generates from it
-in the Generator's one cache (a fixed number of positions): an answer stops where the cache ends,
-and a conversation that has filled it asks for /reset. Lines read from a pipe are turns too, so
-the command can be scripted and tested without a terminal.
+in the Generator's one cache row (a fixed number of positions), which keeps what it held: only
+the tokens the conversation added since the last turn are prefilled (`reuse_prefix`). An answer
+stops where the cache ends, and a conversation that has filled it asks for /reset. Lines read
+from a pipe are turns too, so the command can be scripted and tested without a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from typing import Any
 
 from ..errors import GenerationError, StaticrtError
@@ -39,8 +42,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     if interactive:
         console.print(f"chatting with {source.name} on {gen.backend.name}; {HELP}")
-    messages = list(system)
+    messages, number = list(system), 0
     while (line := _read_turn(interactive)) is not None:
+        began = time.perf_counter()
         text = line.strip()
         if text in ("/exit", "/quit"):
             break
@@ -52,7 +56,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         turn = [*messages, {"role": "user", "content": text}]
         try:
-            answer = _answer(gen, tokenizer, turn, args.max_new_tokens, options)
+            answer, first = _answer(gen, tokenizer, turn, args.max_new_tokens, options, not args.no_prefix_reuse)
         except StaticrtError as err:  # a conversation the cache cannot hold: the session goes on
             console.print(f"staticrt chat: {err}", style="red", markup=False, soft_wrap=True)
             continue
@@ -62,6 +66,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if interactive:
             console.print(timings(gen.last_stats), style="dim")
+        if args.timings:
+            number += 1
+            print(json.dumps(_turn_timings(number, first - began, gen.last_stats)), file=sys.stderr, flush=True)
         messages = [*turn, {"role": "assistant", "content": answer}]
     return 0
 
@@ -77,8 +84,24 @@ def _read_turn(interactive: bool) -> str | None:
         return None
 
 
-def _answer(gen: Any, tokenizer: Any, turn: list[Message], max_new_tokens: int, options: dict[str, Any]) -> str:
-    """Stream the answer to `turn` to stdout; return its text (without the eos it stopped on)."""
+def _turn_timings(number: int, first_token_s: float, stats: Any) -> dict[str, Any]:
+    """One turn's `--timings` line: from the line read to the first token streamed, and the parts."""
+    decode = stats.decode_ms_per_token
+    return {
+        "turn": number,
+        "first_token_ms": round(1000 * first_token_s, 2),
+        "prefill_ms": round(1000 * stats.prefill_s, 2),
+        "compile_s": round(stats.compile_s, 2),
+        "prompt_tokens_kept": stats.kept[0],
+        "decode_ms_per_token": None if decode is None else round(decode, 3),
+    }
+
+
+def _answer(
+    gen: Any, tokenizer: Any, turn: list[Message], max_new_tokens: int, options: dict[str, Any], reuse: bool = True
+) -> tuple[str, float]:
+    """Stream the answer to `turn` to stdout; return its text (without the eos it stopped on) and
+    when its first token came (`time.perf_counter`)."""
     ids = tokenizer.apply_chat_template(turn)
     limit = gen.backend.max_sequence_len
     room = max_new_tokens if limit is None else min(max_new_tokens, limit - len(ids))
@@ -87,13 +110,15 @@ def _answer(gen: Any, tokenizer: Any, turn: list[Message], max_new_tokens: int, 
             f"the conversation is {len(ids)} tokens and the cache holds {limit}; /reset starts a new one "
             "(or restart with a larger --max-cache-len)"
         )
-    text = tokenizer.stream()
+    text, first = tokenizer.stream(), []
 
     def show(row: int, token: int) -> None:
+        if not first:
+            first.append(time.perf_counter())
         sys.stdout.write(text.push(token))
         sys.stdout.flush()
 
-    tokens = gen.generate([ids], room, stream=show, **options)[0]
+    tokens = gen.generate([ids], room, stream=show, reuse_prefix=reuse, **options)[0]
     sys.stdout.write(text.flush() + "\n")
     sys.stdout.flush()
-    return tokenizer.decode(tokens)
+    return tokenizer.decode(tokens), first[0]

@@ -21,9 +21,9 @@ from .args import (
     add_format_arg,
     add_generation_args,
     add_model_args,
-    add_quantize_arg,
     prompt_ids,
 )
+from .bench_args import add_bench_parser
 from .console import console, show_log
 from .serve_args import add_serve_parsers
 
@@ -110,10 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
         "the same way, one turn each:\n"
         "  printf 'What is the capital of France?\\nAnd of Italy?\\n' | staticrt chat --model models/smollm2\n"
         "The conversation is kept in one cache of --max-cache-len positions (default: the model's\n"
-        "context, at most 1024); /reset when it is full.",
+        "context, at most 1024); /reset when it is full. The cache keeps what it holds between turns,\n"
+        "so each turn prefills only what the conversation added (the tokens are a whole prefill's).",
     )
     add_generation_args(chat, max_new_tokens=256)
     chat.add_argument("--system", default=None, help="the system prompt (default: the template's)")
+    chat.add_argument(
+        "--no-prefix-reuse", action="store_true", help="prefill the whole conversation every turn (to compare)"
+    )
+    chat.add_argument(
+        "--timings",
+        action="store_true",
+        help="after each answer, one JSON line on stderr: time to the first token, prefill, prompt tokens kept",
+    )
     _add_export_parser(sub)
     add_serve_parsers(sub)
 
@@ -135,80 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "in bfloat16, with the quant extra; transformers cannot read it",
     )
 
-    bench = sub.add_parser("bench", help="side-by-side decode benchmark, written as JSON")
-    bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder (default bench-llama)")
-    bench.add_argument(
-        "--backends",
-        default="eager,compiled,hf",
-        help="comma-separated: eager, compiled, cudagraph, reduce-overhead, onnx (exported to a "
-        "temporary artifact, run in ONNX Runtime), hf (transformers, when installed)",
-    )
-    bench.add_argument("--new-tokens", type=POSITIVE, default=64)
-    bench.add_argument("--prompt-len", type=POSITIVE, default=32)
-    bench.add_argument("--batch-size", type=POSITIVE, default=1)
-    bench.add_argument(
-        "--repeats",
-        type=POSITIVE,
-        default=5,
-        help="timed rounds after every backend's warm-up; a round runs each backend once, in turn",
-    )
-    bench.add_argument("--threads", type=POSITIVE, default=None, help="torch CPU threads")
-    bench.add_argument(
-        "--dtype",
-        default="float32",
-        help="of the float weights (default float32); quantized variants compute in bfloat16",
-    )
-    add_quantize_arg(bench, several=True)
-    bench.add_argument(
-        "--gguf",
-        default=None,
-        metavar="FILE[,FILE]",
-        help="also run llama.cpp on these GGUF files (the same model at its own quantization; batch 1), "
-        "labelled llamacpp-Q4_1 etc., or on the bench's model written as GGUF: Q8_0, Q4_0, Q4_1 in place of "
-        "a file (a float Llama model, e.g. bench-llama) (the llamacpp extra: llama-cpp-python, built from source)",
-    )
-    bench.add_argument(
-        "--window",
-        type=POSITIVE,
-        default=None,
-        help="give every layer this sliding window and compare, past it, a SlidingWindow cache "
-        "with a Static cache of the window and transformers' sliding-window cache "
-        "(needs --prompt-len >= window)",
-    )
-    bench.add_argument(
-        "--offload",
-        action="store_true",
-        help="run each staticrt backend with a Static and an OffloadedStatic cache and report "
-        "the offloaded step's cost (make --prompt-len long enough that the K/V outweighs "
-        "the weights)",
-    )
-    bench.add_argument(
-        "--kv-int8",
-        action="store_true",
-        help="run each staticrt backend with a Static and a static-int8 cache (K/V int8 with a scale a "
-        "token and head), and hf also with transformers' QuantizedCache (optimum-quanto int4: "
-        "pip install 'staticrt[kvquant]'), and report each one's step cost and cache bytes; a long "
-        "--prompt-len shows it",
-    )
-    bench.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when torch sees a GPU)")
-    bench.add_argument(
-        "--cold-start",
-        type=Path,
-        default=None,
-        metavar="ARTIFACT",
-        help="instead: from a fresh process to its first token, seconds and peak RSS, cold (empty compile "
-        "caches) and warm, for the artifact's model on the eager and compiled backends, each of its programs, "
-        "transformers, and llama.cpp on --gguf (with --threads)",
-    )
-    bench.add_argument("--json", type=Path, default=None, help="write the report here")
-    bench.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="FILE.png",
-        help="draw ms/token per backend beside its weight-streaming bound (the plot extra: matplotlib)",
-    )
-    add_format_arg(bench)
+    add_bench_parser(sub)
 
     cache = sub.add_parser(
         "cache",

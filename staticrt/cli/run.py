@@ -77,10 +77,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def timings(stats: Any) -> str:
-    """A generation's times in one line: compile (when it compiled), prefill, decode."""
+    """A generation's times in one line: compile (when it compiled), prefill (and the prompt
+    tokens the cache kept), decode."""
     decode = stats.decode_ms_per_token
+    kept = f" ({sum(stats.kept)} prompt tokens kept in the cache)" if any(stats.kept) else ""
     return (
         (f"compile {stats.compile_s:.1f} s, " if stats.compile_s else "")
-        + f"prefill {1000 * stats.prefill_s:.1f} ms, "
+        + f"prefill {1000 * stats.prefill_s:.1f} ms{kept}, "
         + (f"decode {decode:.2f} ms/token" if decode is not None else "no decode step (one new token)")
     )

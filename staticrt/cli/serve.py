@@ -44,6 +44,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         key,
         prefiller,
         args.stream_interval,
+        not args.no_prefix_reuse,
     )
 
 

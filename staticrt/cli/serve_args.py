@@ -55,6 +55,11 @@ def _add_serve_parser(sub: Any) -> None:
     serve.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: the folder's name)"
     )
+    _add_serving_policy(serve)
+
+
+def _add_serving_policy(serve: Any) -> None:
+    """How the server treats requests: queue, streaming, drain, prefix reuse, a warm-up run."""
     serve.add_argument(
         "--max-queue", type=NON_NEGATIVE, default=64, help="requests waiting for a row before 429 (default 64)"
     )
@@ -70,6 +75,12 @@ def _add_serve_parser(sub: Any) -> None:
         type=POSITIVE,
         default=30,
         help="seconds open requests may take to finish after SIGTERM (default 30)",
+    )
+    serve.add_argument(
+        "--no-prefix-reuse",
+        action="store_true",
+        help="prefill every prompt whole; by default a request is seated in the free row holding the longest "
+        "prefix of its prompt and prefills only the rest (llama.cpp's cache_prompt)",
     )
     warmup = "build every graph the server needs into the compile cache and exit (once, in a deployment's image)"
     serve.add_argument("--warmup-only", action="store_true", help=warmup)
@@ -96,7 +107,9 @@ def _add_bench_serve_parser(sub: Any) -> None:
         "output tokens/s, time to first token, the gaps between streamed chunks (ITL) and the time a\n"
         "token after the first (TPOT), p50 and p99, and the ratios.",
     )
-    bench.add_argument("--model", default="bench-llama", help="preset or checkpoint folder with tokenizer.json")
+    bench.add_argument(
+        "--model", default="bench-llama", help="preset, checkpoint folder with tokenizer.json, or .gguf file"
+    )
     bench.add_argument("--backend", default="compiled", help="eager | compiled (default) | cudagraph")
     bench.add_argument("--max-batch-size", type=POSITIVE, default=8, help="rows the server decodes at once (8)")
     bench.add_argument("--concurrency", type=POSITIVE, default=16, help="clients sending at once (default 16)")
@@ -123,6 +136,18 @@ def _add_bench_serve_parser(sub: Any) -> None:
     )
     bench.add_argument(
         "--no-transformers", action="store_true", help="skip transformers serve (skipped anyway when not installed)"
+    )
+    bench.add_argument(
+        "--workload",
+        choices=("random", "chat"),
+        default="random",
+        help="random: --requests independent prompts; chat: each of --concurrency clients holds a conversation "
+        "of --turns turns (--prompt-len tokens each) after a shared system prompt, on staticrt serve with "
+        "prefix reuse and without, and on llama.cpp's server when --model is a .gguf file",
+    )
+    bench.add_argument("--turns", type=POSITIVE, default=4, help="with --workload chat: turns a conversation (4)")
+    bench.add_argument(
+        "--system-len", type=POSITIVE, default=200, help="with --workload chat: system prompt tokens (200)"
     )
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
     add_format_arg(bench)

@@ -144,6 +144,8 @@ class Generator:
                 window=window,
             )
         self.last_stats = GenerationStats()
+        # The ids each row's cache holds, as fed (prefix.py): what `reuse_prefix` continues from.
+        self.held: list[list[int]] = [[] for _ in range(self.backend.batch_size)]
         self._lock = threading.Lock()
         self._running_in: int | None = None  # the thread whose `generate` holds the cache
 
@@ -161,12 +163,19 @@ class Generator:
         num_beams: int = 1,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
+        reuse_prefix: bool = False,
     ) -> list[list[int]]:
         """New token ids per prompt; timings of the call land in `self.last_stats`.
 
         `num_beams` > 1 runs beam search as transformers' `generate(num_beams=N, do_sample=False)`
         does (`length_penalty`, `early_stopping` as there): each prompt takes N rows of the cache,
-        so prompts x num_beams must fit in max_batch_size; it returns each prompt's best beam."""
+        so prompts x num_beams must fit in max_batch_size; it returns each prompt's best beam.
+
+        `reuse_prefix`: prompt r continues row r of the cache from the longest prefix it shares
+        with what the row holds (`self.held[r]`: the previous call's prompt and the tokens fed
+        after it) and prefills only the rest, where that is exact (generation/prefix.py); a chat's
+        next turn passes the whole conversation and pays for the new turn alone. The tokens are
+        those of a whole prefill; `last_stats.kept` says how many each row kept."""
         if self._running_in == threading.get_ident():
             raise GenerationError(
                 "generate was called again while this thread's generate is under way (from its stream "
@@ -179,11 +188,22 @@ class Generator:
             try:
                 stats = GenerationStats()
                 beams = _beam_params(num_beams, length_penalty, early_stopping, sampling, stream)
+                if not isinstance(reuse_prefix, bool):
+                    raise GenerationError(f"reuse_prefix is {reuse_prefix!r}; it must be True or False")
                 if beams is None:
                     tokens = generate_tokens(
-                        self.backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, stats
+                        self.backend,
+                        prompts,
+                        max_new_tokens,
+                        sampling,
+                        stop_token_ids,
+                        stream,
+                        stats,
+                        self.held,
+                        reuse_prefix,
                     )
                 else:
+                    self.held[:] = [[] for _ in self.held]  # beams reorder and overwrite rows
                     tokens = beam_search_tokens(self.backend, prompts, max_new_tokens, beams, stop_token_ids, stats)
                 self.last_stats = stats
                 return tokens

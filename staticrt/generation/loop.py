@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
+from .prefix import Layouts, kept_prefix
+from .request import check_bucket, validate_request
 
 StreamCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
 MAX_NEW_TOKENS = 32  # what a generation asks for when nobody says (the Python API and `staticrt run`)
@@ -60,17 +62,21 @@ class StepBackend(Protocol):
     eos_token_ids: tuple[int, ...]  # the model's end-of-sequence ids, the default stop tokens
     row_positions: bool  # whether each row writes at its own position (False: one column for all rows, genai's)
     buckets: tuple[int, ...]
+    rotating_layouts: Layouts  # the cache's rotating layers (prefix.py): where a row may continue from
 
     def reset(self) -> None: ...
 
-    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> float:
+    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True) -> float:
         """Build what steps of these widths need before the first one is timed (a compile, a CUDA
-        graph capture), so that compile time is never counted as prefill; the seconds it took. May
-        write anywhere in the cache: it runs before `reset`, when the cache holds nothing live.
+        graph capture), so that compile time is never counted as prefill; the seconds it took.
+        Every row's cache holds what it held before (a row may be continued after it).
         `continuing`: also multi-token steps of rows that hold tokens already (a server's chunked
-        prompts, a prefill beside decoding rows), which run graphs of their own (`starts_fresh`)."""
+        prompts, a prefill beside decoding rows, a kept prefix), which run graphs of their own
+        (`starts_fresh`); `fresh` False: only those, not the multi-token steps from position 0."""
 
-    def unbuilt(self, widths: Sequence[int], do_sample: bool, continuing: bool = False) -> set[Hashable]:
+    def unbuilt(
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True
+    ) -> set[Hashable]:
         """The graphs `prepare` with these arguments would build, by a key of this backend's own: a
         start-up counts the union first (greedy and sampling steps may share a graph)."""
 
@@ -96,6 +102,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: list[float] = field(default_factory=list)
     bucket: int = 0
+    kept: list[int] = field(default_factory=list)  # prompt tokens each row kept in its cache (not prefilled)
 
     @property
     def decode_ms_per_token(self) -> float | None:
@@ -132,75 +139,49 @@ def chunk_end(buckets: tuple[int, ...], length: int) -> int:
     return start + bucket_for(buckets, length - start)
 
 
-@dataclass(frozen=True)
-class Request:
-    """A generation request after every check: plain Python values the loop can trust."""
-
-    rows: list[list[int]]
-    max_new_tokens: int
-    sampling: SamplingParams
-    stops: frozenset[int]
-
-
-def _token_ids(value: Any, what: str) -> list[int]:
-    """A row of token ids from a list, tuple or 1-D integer array; each id an int (never a float,
-    a bool or a string, which would run as some other token)."""
-    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
-        value = value.tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise GenerationError(f"{what} is a {type(value).__name__}; pass a list of token ids")
-    return [as_int(t, f"{what} token {i}") for i, t in enumerate(value)]
+def kept_prefixes(backend: StepBackend, rows: list[list[int]], held: list[list[int]]) -> list[int]:
+    """Prompt tokens each row keeps in its cache (prefix.py): none where the backend writes one
+    column for every row (the ONNX graph's layout, past batch 1), or where the continuing step
+    would not fit the cache (a torch backend writes the whole bucket, padding past the row's end)."""
+    if not backend.row_positions and backend.batch_size > 1:
+        return [0] * len(rows)
+    kept = [kept_prefix(held[r], ids, backend.rotating_layouts) for r, ids in enumerate(rows)]
+    width = bucket_for(backend.buckets, max(len(ids) - k for ids, k in zip(rows, kept, strict=True)))
+    limit = backend.max_sequence_len
+    written = [k + (width if backend.row_positions else len(ids) - k) for ids, k in zip(rows, kept, strict=True)]
+    return [0] * len(rows) if limit is not None and max(written) > limit else kept
 
 
-def validate_request(
-    backend: StepBackend,
-    prompts: Any,
-    max_new_tokens: Any,
-    sampling: SamplingParams,
-    stop_token_ids: Any = (),
-    stream: Any = None,
-    chunked: bool = False,
-) -> Request:
-    """Every check on a request, before the cache or the RNG is touched. `chunked`: prompts longer
-    than the largest bucket are allowed (a server prefills them a bucket at a time)."""
-    if hasattr(prompts, "tolist") and getattr(prompts, "ndim", None) == 2:
-        prompts = prompts.tolist()
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise GenerationError("prompts must be a non-empty list of token-id lists")
-    if len(prompts) > backend.batch_size:
-        raise GenerationError(
-            f"{len(prompts)} prompts exceed max_batch_size={backend.batch_size}; "
-            f"split the batch or {backend.remedy('max_batch_size')}"
-        )
-    max_new_tokens = as_int(max_new_tokens, "max_new_tokens", 1)
-    sampling = sampling.checked(backend.vocab_size)
-    stops = frozenset(() if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"))
-    if stream is not None and not callable(stream):
-        raise GenerationError(f"stream is a {type(stream).__name__}; pass a function (row, token id) or None")
-    rows = []
-    for r, prompt in enumerate(prompts):
-        ids = _token_ids(prompt, f"prompt {r}")
-        if not ids:
-            raise GenerationError(f"prompt {r} is empty; every row needs at least one token")
-        bad = [t for t in ids if not 0 <= t < backend.vocab_size]
-        if bad:
-            raise GenerationError(
-                f"prompt {r} holds token id(s) {bad[:5]} outside the vocabulary [0, {backend.vocab_size})"
-            )
-        limit = backend.max_sequence_len
-        if limit is not None and len(ids) + max_new_tokens > limit:
-            raise GenerationError(
-                f"prompt {r} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} that is "
-                f"{len(ids) + max_new_tokens}, beyond max_cache_len={limit}; shorten the prompt, ask for "
-                f"fewer tokens or {backend.remedy('max_cache_len')}"
-            )
-        if len(ids) > backend.buckets[-1] and not chunked:
-            raise GenerationError(
-                f"prompt {r} has {len(ids)} tokens, beyond the largest prefill bucket {backend.buckets[-1]}; "
-                f"shorten the prompt or {backend.remedy('prefill_buckets')}"
-            )
-        rows.append(ids)
-    return Request(rows, max_new_tokens, sampling, stops)
+def _prefill_inputs(
+    backend: StepBackend, rows: list[list[int]], kept: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The first step's `input_ids [B, bucket]`, `write_index [B]` and `num_new [B]`: each row's
+    prompt after what it keeps, right-padded; rows beyond the request prefill one dummy token at 0."""
+    batch, n_rows = backend.batch_size, len(rows)
+    write_index = np.zeros(batch, dtype=np.int64)
+    write_index[:n_rows] = kept
+    lengths = np.ones(batch, dtype=np.int64)
+    lengths[:n_rows] = [len(ids) - k for ids, k in zip(rows, kept, strict=True)]
+    input_ids = np.zeros((batch, bucket_for(backend.buckets, int(lengths.max()))), dtype=np.int64)
+    for r, ids in enumerate(rows):
+        input_ids[r, : lengths[r]] = ids[kept[r] :]
+    return input_ids, write_index, lengths
+
+
+def _tracked_step(backend: StepBackend, held: list[list[int]], n_rows: int, *inputs: Any) -> np.ndarray:
+    """`backend.step(*inputs)`, and what the request's rows hold after it; on a failure nothing,
+    where a rotating layer may have overwritten slots of held positions (linear layers write only
+    past them)."""
+    try:
+        next_ids = backend.step(*inputs)
+    except BaseException:
+        if backend.rotating_layouts:
+            held[:] = [[] for _ in held]
+        raise
+    ids, num_new = inputs[0], inputs[2]
+    for r in range(n_rows):
+        held[r].extend(ids[r, : num_new[r]].tolist())
+    return next_ids
 
 
 def generate_tokens(
@@ -211,38 +192,72 @@ def generate_tokens(
     stop_token_ids: Sequence[int] | None = (),
     stream: StreamCallback | None = None,
     stats: GenerationStats | None = None,
+    held: list[list[int]] | None = None,
+    reuse: bool = False,
 ) -> list[list[int]]:
     """Prefill every row in one bucket, then decode one token a step until each row has
-    `max_new_tokens` or has emitted a stop token (kept in its output, as transformers does)."""
-    request = validate_request(backend, prompts, max_new_tokens, sampling, stop_token_ids, stream)
+    `max_new_tokens` or has emitted a stop token (kept in its output, as transformers does).
+
+    `held [B]`: the ids each row's cache holds, kept true step by step (the Generator owns it).
+    With `reuse`, a row keeps the prefix of its prompt that it already holds, where that is exact
+    (prefix.py), and prefills only the rest: the tokens are a whole prefill's."""
+    request = validate_request(backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, chunked=reuse)
     rows, max_new_tokens, sampling, stops = request.rows, request.max_new_tokens, request.sampling, request.stops
     stats = stats if stats is not None else GenerationStats()
     batch, n_rows = backend.batch_size, len(rows)
-    lengths = np.ones(batch, dtype=np.int64)  # rows beyond the request hold one dummy token
-    lengths[:n_rows] = [len(r) for r in rows]
-    bucket = bucket_for(backend.buckets, int(lengths.max()))
-    input_ids = np.zeros((batch, bucket), dtype=np.int64)
-    for r, ids in enumerate(rows):
-        input_ids[r, : len(ids)] = ids
+    held = held if held is not None else [[] for _ in range(batch)]
+    kept = kept_prefixes(backend, rows, held) if reuse else [0] * n_rows
+    for r, (ids, k) in enumerate(zip(rows, kept, strict=True)):
+        check_bucket(backend, r, len(ids) - k, k)  # before the cache is touched
+    input_ids, write_index, lengths = _prefill_inputs(backend, rows, kept)
     # Row r draws from its own generator, seeded seed + r: a prompt's tokens do not depend on the
     # batch size or on its neighbours, and a server's request with seed s samples row 0's tokens.
     rngs = [np.random.default_rng(None if sampling.seed is None else sampling.seed + r) for r in range(batch)]
 
-    def uniforms() -> np.ndarray | None:
-        return np.array([g.random(dtype=np.float32) for g in rngs], dtype=np.float32) if sampling.do_sample else None
+    def step(ids: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+        uniforms = (
+            np.array([g.random(dtype=np.float32) for g in rngs], dtype=np.float32) if sampling.do_sample else None
+        )
+        return _tracked_step(backend, held, n_rows, ids, write_index, num_new, sampling, uniforms)
 
-    stats.compile_s = backend.prepare((bucket, 1) if max_new_tokens > 1 else (bucket,), sampling.do_sample)
-    backend.reset()
-    out: list[list[int]] = [[] for _ in rows]
-    done = [False] * n_rows
-    write_index = np.zeros(batch, dtype=np.int64)
-    ones = np.ones(batch, dtype=np.int64)
-
+    continuing, bucket = any(kept), input_ids.shape[1]
+    widths = (bucket, 1) if max_new_tokens > 1 else (bucket,)
+    stats.compile_s = backend.prepare(widths, sampling.do_sample, continuing=continuing, fresh=not continuing)
+    if not continuing:
+        backend.reset()
+    held[:] = [ids[:k] for ids, k in zip(rows, kept, strict=True)] + [[] for _ in range(batch - n_rows)]
+    stats.kept = list(kept)
     start = time.perf_counter()
-    next_ids = backend.step(input_ids, write_index, lengths, sampling, uniforms())
+    next_ids = step(input_ids, lengths)
     stats.prefill_s, stats.bucket, stats.decode_s = time.perf_counter() - start, bucket, []
-    write_index = lengths.copy()
-    for step in range(max_new_tokens):
+    write_index += lengths
+    return _decode(
+        lambda ids: step(ids, np.ones(batch, dtype=np.int64)),
+        next_ids,
+        n_rows,
+        max_new_tokens,
+        stops,
+        stream,
+        write_index,
+        stats,
+    )
+
+
+def _decode(
+    step: Callable[[np.ndarray], np.ndarray],
+    next_ids: np.ndarray,
+    n_rows: int,
+    max_new_tokens: int,
+    stops: frozenset[int],
+    stream: StreamCallback | None,
+    write_index: np.ndarray,
+    stats: GenerationStats,
+) -> list[list[int]]:
+    """From the prefill's tokens `next_ids [B]`, one token a step until each of the request's rows
+    has `max_new_tokens` or a stop token; `write_index [B]` advances with the steps."""
+    out: list[list[int]] = [[] for _ in range(n_rows)]
+    done = [False] * n_rows
+    for n in range(max_new_tokens):
         for r in range(n_rows):
             if done[r]:
                 continue
@@ -251,10 +266,10 @@ def generate_tokens(
             if stream is not None:
                 stream(r, token)
             done[r] = token in stops
-        if all(done) or step == max_new_tokens - 1:
+        if all(done) or n == max_new_tokens - 1:
             break
         start = time.perf_counter()
-        next_ids = backend.step(next_ids.reshape(batch, 1), write_index, ones, sampling, uniforms())
+        next_ids = step(next_ids.reshape(len(next_ids), 1))
         stats.decode_s.append(time.perf_counter() - start)
         write_index += 1
     return out

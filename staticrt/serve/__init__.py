@@ -26,11 +26,14 @@ def serve_backend(
     api_key: str | None = None,
     prefiller: Any = None,
     stream_interval: int = 1,
+    reuse_prefix: bool = True,
 ) -> tuple[Any, Any]:
     """The app serving `backend` (a Generator's `.backend`) as model `name`, and its scheduler.
     `prefiller`: a batch-1 backend over the same model and cache layout (a model backend's, built
     like `backend`), which prefills each prompt alone; without it prompts prefill in `backend`.
     `stream_interval`: tokens a streamed chunk after the first (fewer HTTP events a token).
+    `reuse_prefix`: a request keeps the prefix its row holds (rows.py) and prefills the rest from
+    there, in chunks of the prefiller's continuing graphs up to REUSE_WIDTH (`reuse_widths`).
     Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
     so that no request waits for a compile and no compile stalls the rows being served."""
     try:
@@ -48,14 +51,27 @@ def serve_backend(
             plan.append((backend, (*backend.buckets, 1), do_sample, True))
         else:
             plan += [(backend, (1,), do_sample, False), (prefiller, prefiller.buckets, do_sample, False)]
-            plan.append((prefiller, chunk_widths(prefiller), do_sample, True))
+            widths = {*chunk_widths(prefiller), *(reuse_widths(prefiller) if reuse_prefix else ())}
+            plan.append((prefiller, tuple(sorted(widths)), do_sample, True))
     graphs = {(id(b), key) for b, w, s, c in plan for key in b.unbuilt(w, s, continuing=c)}
     with counting(len(graphs)):  # "graph 3 of 16"
         for b, widths, do_sample, continuing in plan:
             b.prepare(widths, do_sample, continuing=continuing)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
-    scheduler = Scheduler(backend, tokenizer, max_queue=max_queue, prefiller=prefiller)
+    widest = None if prefiller is None else max(reuse_widths(prefiller))  # an artifact's programs take both
+    scheduler = Scheduler(backend, tokenizer, max_queue, prefiller=prefiller, reuse_prefix=reuse_prefix, widest=widest)
     return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
+
+
+# The widest step that continues a kept prefix in a model's prefiller (a longer rest goes in chunks
+# of it). A chat turn or a question after a shared system prompt is tens of tokens, and each width
+# is a graph to build at start-up (SmolLM2's default buckets: 4 more graphs, not 6).
+REUSE_WIDTH = 128
+
+
+def reuse_widths(prefiller: Any) -> tuple[int, ...]:
+    """The prefiller's buckets that continue a kept prefix: up to REUSE_WIDTH (at least the smallest)."""
+    return tuple(w for w in prefiller.buckets if w <= REUSE_WIDTH) or prefiller.buckets[:1]
 
 
 def chunk_widths(prefiller: Any) -> tuple[int, ...]:

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import GenerationError
-from ..generation.loop import SamplingParams, chunk_end, validate_request
+from ..generation.loop import SamplingParams, chunk_end
+from ..generation.request import validate_request
 from ..text.stop_strings import StopStrings
 
 # OpenAI's limit on stop strings a request; each string's length bounds the text held back for it
@@ -82,7 +83,7 @@ class Event:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length", with `done`
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     status: int = 0  # with `error`: 500 when a step failed, 503 when the server stopped
     message: str = ""
 
@@ -97,6 +98,7 @@ class Job:
     interval: int = 1  # tokens an event: the first goes at once, then every `interval`; 0: only the last
     row: int | None = None
     fed: int = 0  # prompt tokens in the cache
+    kept: int = 0  # of them, those the row held already (a reused prefix: OpenAI's cached_tokens)
     tokens: list[int] = field(default_factory=list)
     cancelled: bool = False
     rng: Any = None
@@ -168,12 +170,13 @@ class Job:
         return event
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = len(self.request.prompt)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": len(self.tokens),
             "total_tokens": prompt + len(self.tokens),
+            "prompt_tokens_details": {"cached_tokens": self.kept},
         }
 
 

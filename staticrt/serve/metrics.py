@@ -1,6 +1,7 @@
 """What `GET /metrics` shows, in Prometheus' text format (prometheus_client): how full the queue
-and the rows are, tokens generated, how each request ended, time to first token and between
-tokens. Each scheduler has its own registry, so servers in one process (tests) never mix counts."""
+and the rows are, tokens generated and prefilled, prompt tokens kept in the rows (prefix reuse),
+how each request ended, time to first token and between tokens. Each scheduler has its own
+registry, so servers in one process (tests) never mix counts."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ class Metrics:
         self.busy = Gauge("staticrt_busy_rows", "cache rows holding a request", registry=r)
         self.rows = Gauge("staticrt_rows", "cache rows (the batch size of the step)", registry=r)
         self.tokens = Counter("staticrt_generated_tokens", "tokens generated", registry=r)
+        self.prefilled_tokens = Counter(
+            "staticrt_prefilled_tokens", "prompt tokens prefilled (not kept in a row's cache)", registry=r
+        )
+        self.prefix_hits = Counter(
+            "staticrt_prefix_hits", "requests that kept a prefix of their prompt in their row's cache", registry=r
+        )
+        self.reused_tokens = Counter(
+            "staticrt_prefix_reused_tokens", "prompt tokens kept in a row's cache rather than prefilled", registry=r
+        )
         self.finished = Counter(
             "staticrt_requests_finished", "requests that left their row, by outcome", ["outcome"], registry=r
         )

@@ -16,6 +16,9 @@ hides it until a real token overwrites it; a prefill step of width T waits until
 row has T positions left. A freed row is not cleared: masks are computed from positions, and its
 next occupant writes every position it attends to before it attends to it.
 
+A request is seated in the free row that holds the longest prefix of its prompt and prefills only
+the rest (rows.py). A freed row keeps its contents until it is reused.
+
 One thread runs the steps; requests come from any thread, and each job's `emit` is called on the
 stepping thread. `staticrt serve` steps on the thread that loaded and compiled the model (`run`):
 OpenMP gives every thread that starts parallel work a team of its own, and on a 2-core machine a
@@ -35,9 +38,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import StaticrtError
-from ..generation.loop import StepBackend, bucket_for
+from ..generation.loop import StepBackend
 from .job import Completion, Event, Job, Plan, check_request
 from .metrics import Metrics
+from .planning import plan_step
+from .rows import RowMemory
 
 
 class QueueFull(StaticrtError):
@@ -58,6 +63,8 @@ class Scheduler:
         max_queue: int = 64,
         metrics: Metrics | None = None,
         prefiller: StepBackend | None = None,
+        reuse_prefix: bool = True,
+        widest: int | None = None,
     ) -> None:
         self.backend = backend
         self.prefiller = prefiller  # batch 1, same model and cache layout; its row is copied into ours
@@ -65,6 +72,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.rows: list[Job | None] = [None] * backend.batch_size
+        self.memory = RowMemory(backend, reuse_prefix, widest)
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.admitting = True
@@ -141,12 +149,17 @@ class Scheduler:
                     return
             plan = None
             try:
-                plan = self._plan()
+                plan, self.last_prefilled = plan_step(
+                    self.backend, self.prefiller, self.memory, self.rows, self.last_prefilled
+                )
+                if plan.adopt is not None and plan.adopt.fed > 0:  # the prefiller continues the job's row
+                    self.prefiller.adopt_row(0, self.backend, plan.adopt.row)
                 next_ids = plan.backend.step(*plan.inputs)
                 if plan.adopt is not None:
                     self.backend.adopt_row(plan.adopt.row, self.prefiller, plan.slot[plan.adopt])
                 self._advance(plan, next_ids)
             except Exception as err:  # a failed step fails its own rows (all, if planning failed); serving goes on
+                self.memory.forget()  # a step cut short leaves no row's contents known
                 message = f"the step failed: {type(err).__name__}: {err}"
                 members = plan.members if plan is not None else self.rows
                 for job in [j for j in members if j is not None and self.rows[j.row] is j]:  # not yet finished
@@ -161,17 +174,21 @@ class Scheduler:
         self.metrics.finished.labels("cancelled").inc(gone)
         self.waiting = deque(j for j in self.waiting if not j.cancelled)
         if self.backend.row_positions:
-            for r in range(len(self.rows)):
-                if self.rows[r] is None and self.waiting:
-                    self._seat(self.waiting.popleft(), r)
+            free = [r for r, job in enumerate(self.rows) if job is None]
+            while free and self.waiting:
+                job = self.waiting.popleft()
+                row, kept = self.memory.best(job.request.prompt, free)
+                free.remove(row)
+                self._seat(job, row, kept)
         elif self.busy_rows == 0 and self.waiting:
             self._start_wave()
         self.metrics.queue.set(len(self.waiting))
         self.metrics.busy.set(self.busy_rows)
 
-    def _seat(self, job: Job, row: int) -> None:
-        job.row = row
+    def _seat(self, job: Job, row: int, kept: int = 0) -> None:
+        job.row, job.fed, job.kept = row, kept, kept
         self.rows[row] = job
+        self.memory.seat(row, kept, job.order)
 
     def _start_wave(self) -> None:
         """A backend whose steps write one column of every row (the ONNX graph, genai's layout)
@@ -190,77 +207,12 @@ class Scheduler:
             longest_prompt, longest_answer = prompt, answer
             self._seat(self.waiting.popleft(), row)
 
-    def _plan(self) -> Plan:
-        jobs = [job for job in self.rows if job is not None]
-        prefilling = [job for job in jobs if job.fed < len(job.request.prompt)]
-        decoding = [job for job in jobs if job.fed == len(job.request.prompt)]
-        if prefilling and (not decoding or not self.last_prefilled):
-            plan = self._prefill_plan(prefilling, decoding) if self.prefiller is None else self._alone(prefilling)
-            if plan is not None:
-                self.last_prefilled = True
-                return plan
-        self.last_prefilled = False
-        return self._decode_plan(decoding, prefilling)
-
-    def _prefill_plan(self, prefilling: list[Job], decoding: list[Job]) -> Plan | None:
-        """The oldest prefilling row's next chunk, with every unstarted row whose whole prompt
-        takes the same bucket; None while a decoding row lacks the room for its padding."""
-        head = min(prefilling, key=lambda job: job.order)
-        largest = self.backend.buckets[-1]
-        chunk = min(len(head.request.prompt) - head.fed, largest)
-        width = bucket_for(self.backend.buckets, chunk)
-        limit = self.backend.max_sequence_len
-        if limit is not None and any(job.position + width > limit for job in decoding):
-            return None
-        if not self.backend.row_positions:  # a wave: every row in one step, as wide as its longest prompt
-            width = bucket_for(self.backend.buckets, max(len(job.request.prompt) for job in prefilling))
-        members = [head] + [
-            job
-            for job in prefilling
-            if job is not head
-            and job.fed == 0
-            and (
-                not self.backend.row_positions
-                or bucket_for(self.backend.buckets, len(job.request.prompt), exact=True) == width
-            )
-        ]
-        plan = Plan(self.backend, width)
-        for job in members:
-            take = min(len(job.request.prompt) - job.fed, largest)
-            plan.add(job, job.request.prompt[job.fed : job.fed + take], job.fed)
-        for job in decoding:
-            plan.write_index[job.row] = job.position  # sits out: num_new 0, padding past its length
-        plan.finishing = [job for job in members if job.fed + plan.num_new[plan.slot[job]] == len(job.request.prompt)]
-        plan.choose(plan.finishing)
-        return plan
-
-    def _alone(self, prefilling: list[Job]) -> Plan:
-        """The oldest prefilling job's next chunk, in the batch-1 prefiller, whose row the job's
-        row then takes: prefill costs one row's compute, not B rows' (the others padding)."""
-        head = min(prefilling, key=lambda job: job.order)
-        take = min(len(head.request.prompt) - head.fed, self.backend.buckets[-1])
-        plan = Plan(self.prefiller, bucket_for(self.backend.buckets, take))
-        plan.add(head, head.request.prompt[head.fed : head.fed + take], head.fed, slot=0)
-        plan.adopt = head
-        plan.finishing = [head] if head.fed + take == len(head.request.prompt) else []
-        plan.choose(plan.finishing)
-        return plan
-
-    def _decode_plan(self, decoding: list[Job], prefilling: list[Job]) -> Plan:
-        plan = Plan(self.backend, 1)
-        plan.num_new[:] = 1  # a width-1 step writes every row: idle rows at position 0, nothing live
-        for job in decoding:
-            plan.add(job, [job.tokens[-1]], job.position)
-        for job in prefilling:  # a chunked prompt between chunks: position `fed` is written next anyway
-            plan.write_index[job.row] = job.fed
-        plan.finishing = decoding
-        plan.choose(decoding)
-        return plan
-
     def _advance(self, plan: Plan, next_ids: np.ndarray) -> None:
         for job in plan.members:
+            slot = plan.slot[job]
+            self.memory.fed(job.row, plan.input_ids[slot, : plan.num_new[slot]])
             if len(job.tokens) == 0:
-                job.fed += int(plan.num_new[plan.slot[job]])
+                job.fed += int(plan.num_new[slot])
         now = time.perf_counter()
         self.metrics.tokens.inc(len(plan.finishing))
         for job in plan.finishing:
@@ -269,6 +221,10 @@ class Scheduler:
                 self.metrics.inter_token.observe(now - job.last_at)
             else:
                 self.metrics.first_token.observe(now - job.created_at)
+                self.metrics.prefilled_tokens.inc(len(job.request.prompt) - job.kept)
+                if job.kept:
+                    self.metrics.prefix_hits.inc()
+                    self.metrics.reused_tokens.inc(job.kept)
             job.last_at = now
             self._deliver(job, token)
 

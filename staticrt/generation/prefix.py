@@ -1,0 +1,66 @@
+"""Which part of a new prompt a cache row can keep: llama.cpp's slot design, in fixed rows.
+
+A row remembers the token ids its cache holds, in the order they were fed (generated ids as
+generated, never re-tokenised text). A prompt that starts with some of them prefills only the
+rest, from the position where the two part: a chat's next turn prefills the turn, a server's
+request that shares a system prompt prefills what follows it. Whether continuing from position P
+is exact depends on the row's layers (masks.py computes every mask from positions):
+
+- a linear layer (slot j holds position j) continues from any P: entries at P and beyond are
+  hidden by position until the continuation overwrites them;
+- a rotating layer of L slots reads slot s as the newest position below P that falls in it. A
+  slot whose newest entry t lies in [P, H] (H: positions the row holds; position H counts too,
+  since a server's idle step scribbles there) is read as t - L, which a query at P sees when
+  P - (t - L) < window. So the layer continues from P when H < L (it never wrapped), or when
+  H - P <= L - window. Worked, L = window = 4, H = 6: slots 0..3 hold 4, 5, 6 (scribbled), 3.
+  From P = 6, slot 2 reads as 2, and 6 - 2 = 4 is not < 4: hidden, exact. From P = 5 it is
+  seen (5 - 2 = 3 < 4): not exact. A buffer of window + k slots may back off k positions; a
+  layer that attends to every slot it holds (a sink layer) only while it has not wrapped.
+
+Imports no torch: the loop and the scheduler use it with every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Layouts = tuple[tuple[int, int | None], ...]  # each rotating layer: (slots, window; None: sees every slot)
+
+
+def rotating_layouts(
+    layers: Sequence[str], layer_lengths: Sequence[int], layer_types: Sequence[str], sliding_window: int | None
+) -> Layouts:
+    """The distinct rotating layers of a cache, from the layouts it reports (`KVCache.layer_layout`:
+    "static", "offloaded", "sliding", "sink", as an artifact's manifest records them), its layers'
+    slots and the model's attention kinds."""
+    found = set()
+    for layout, slots, attention in zip(layers, layer_lengths, layer_types, strict=True):
+        if layout in ("sliding", "sink"):
+            found.add(
+                (int(slots), sliding_window if layout == "sliding" and attention == "sliding_attention" else None)
+            )
+    return tuple(sorted(found, key=lambda pair: (pair[0], pair[1] or 0)))
+
+
+def common_prefix(held: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading ids `held` and `prompt` share."""
+    n = 0
+    for a, b in zip(held, prompt):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def kept_prefix(held: Sequence[int], prompt: Sequence[int], rotating: Layouts) -> int:
+    """Prompt tokens a row holding `held` keeps: the longest common prefix, backed off to leave
+    one prompt token to prefill (its logits choose the first new token), or 0 where a rotating
+    layer cannot continue from there exactly (the module docstring)."""
+    kept = min(common_prefix(held, prompt), len(prompt) - 1)
+    if kept <= 0:
+        return 0
+    over = len(held)
+    for slots, window in rotating:
+        if not (over < slots or (window is not None and over - kept <= slots - window)):
+            return 0
+    return kept

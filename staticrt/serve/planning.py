@@ -1,0 +1,100 @@
+"""One step's plan over a server's rows (scheduler.py): which jobs it runs, at which positions,
+and which of them get a token from it. Prefill and decode steps alternate; a prompt is prefilled
+alone in a batch-1 prefiller where there is one, else beside the rows it shares a bucket with,
+while the decoding rows sit out with their padding past their length. Imports no torch."""
+
+from __future__ import annotations
+
+from ..generation.loop import StepBackend, bucket_for
+from .job import Job, Plan
+from .rows import RowMemory
+
+
+def plan_step(
+    backend: StepBackend, prefiller: StepBackend | None, memory: RowMemory, rows: list[Job | None], last_prefilled: bool
+) -> tuple[Plan, bool]:
+    """The next step's plan over `rows` (their jobs, None where a row is free), and whether it
+    prefills: a prefill when a prompt waits, unless the step before prefilled and rows decode."""
+    jobs = [job for job in rows if job is not None]
+    prefilling = [job for job in jobs if job.fed < len(job.request.prompt)]
+    decoding = [job for job in jobs if job.fed == len(job.request.prompt)]
+    if prefilling and (not decoding or not last_prefilled):
+        if prefiller is None:
+            plan = _prefill_plan(backend, memory, rows, prefilling, decoding)
+        else:
+            plan = _alone(backend, prefiller, prefilling, memory.widest)
+        if plan is not None:
+            return plan, True
+    return _decode_plan(backend, memory, rows, decoding, prefilling), False
+
+
+def _prefill_plan(
+    backend: StepBackend, memory: RowMemory, rows: list[Job | None], prefilling: list[Job], decoding: list[Job]
+) -> Plan | None:
+    """The oldest prefilling row's next chunk, with every unstarted row whose whole prompt
+    takes the same bucket; None while a decoding row lacks the room for its padding."""
+    head = min(prefilling, key=lambda job: job.order)
+    largest = backend.buckets[-1]
+    chunk = min(len(head.request.prompt) - head.fed, largest)
+    width = bucket_for(backend.buckets, chunk)
+    limit = backend.max_sequence_len
+    if limit is not None and any(job.position + width > limit for job in decoding):
+        return None
+    for job in prefilling:  # a kept prefix too near the end for this step's padding is given up
+        if job is not head and limit is not None and job.fed + width > limit:
+            job.fed = job.kept = 0
+            memory.forget(job.row)
+    if not backend.row_positions:  # a wave: every row in one step, as wide as its longest prompt
+        width = bucket_for(backend.buckets, max(len(job.request.prompt) for job in prefilling))
+    members = [head] + [
+        job
+        for job in prefilling
+        if job is not head
+        and job.fed == job.kept  # nothing of this request prefilled yet
+        and (
+            not backend.row_positions
+            or bucket_for(backend.buckets, len(job.request.prompt) - job.fed, exact=True) == width
+        )
+    ]
+    plan = Plan(backend, width)
+    for job in members:
+        take = min(len(job.request.prompt) - job.fed, largest)
+        plan.add(job, job.request.prompt[job.fed : job.fed + take], job.fed)
+    for job in decoding:
+        plan.write_index[job.row] = job.position  # sits out: num_new 0, padding past its length
+    for job in prefilling:
+        if job not in plan.slot:
+            plan.write_index[job.row] = job.fed  # sits out, its padding after what it holds
+    memory.park(plan.write_index, rows, width)
+    plan.finishing = [job for job in members if job.fed + plan.num_new[plan.slot[job]] == len(job.request.prompt)]
+    plan.choose(plan.finishing)
+    return plan
+
+
+def _alone(backend: StepBackend, prefiller: StepBackend, prefilling: list[Job], widest: int | None) -> Plan:
+    """The oldest prefilling job's next chunk, in the batch-1 prefiller, whose row the job's
+    row then takes: prefill costs one row's compute, not B rows' (the others padding)."""
+    head = min(prefilling, key=lambda job: job.order)
+    largest = backend.buckets[-1] if head.kept == 0 or widest is None else widest  # a kept prefix's continuing graphs
+    take = min(len(head.request.prompt) - head.fed, largest)
+    plan = Plan(prefiller, bucket_for(backend.buckets, take))
+    plan.add(head, head.request.prompt[head.fed : head.fed + take], head.fed, slot=0)
+    plan.adopt = head
+    plan.finishing = [head] if head.fed + take == len(head.request.prompt) else []
+    plan.choose(plan.finishing)
+    return plan
+
+
+def _decode_plan(
+    backend: StepBackend, memory: RowMemory, rows: list[Job | None], decoding: list[Job], prefilling: list[Job]
+) -> Plan:
+    plan = Plan(backend, 1)
+    plan.num_new[:] = 1  # a width-1 step writes every row: free rows at their end (rows.py)
+    for job in decoding:
+        plan.add(job, [job.tokens[-1]], job.position)
+    for job in prefilling:  # a chunked prompt between chunks: position `fed` is written next anyway
+        plan.write_index[job.row] = job.fed
+    memory.park(plan.write_index, rows, 1)
+    plan.finishing = decoding
+    plan.choose(decoding)
+    return plan

@@ -1,0 +1,245 @@
+"""Prefix reuse: a row continues from the tokens its cache holds and prefills only the rest.
+
+A conversation's turns, each the whole conversation so far, give transformers' greedy tokens for
+that whole conversation while prefilling only the new turn, on all four families and the static,
+sliding (prompts shorter and longer than the window) and hybrid caches, eager, compiled (no
+recompile) and ONNX. A property test over random shared prefixes holds reuse against a whole
+prefill where rotating buffers have wrapped, which is where continuing can go wrong.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+import torch
+from hf_models import hf_greedy
+from hypothesis import given
+from hypothesis import strategies as st
+
+import staticrt
+from staticrt.cli.main import main
+from staticrt.generation.prefix import kept_prefix
+
+NEW_TOKENS = 10
+# checkpoint -> (cache kind, max_cache_len): the sliding and hybrid layers hold a window of 16
+CASES = {
+    "llama": ("static", 128),
+    "mistral": ("static", 128),
+    "qwen2": ("static", 128),
+    "gemma2": ("hybrid", 128),
+    "mistral-sw16": ("sliding", 64),
+}
+
+
+def turns(seed: int = 3) -> list[list[int]]:
+    """A system prompt of 9 tokens, then user turns of 4, 6 and 20 tokens (a sliding row wraps)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (n,), generator=gen).tolist() for n in (9, 4, 6, 20)]
+
+
+def converse(gen: staticrt.Generator, reuse: bool = True) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Each turn's whole conversation (the answers so far included), the answers, and the prompt
+    tokens the row kept each turn."""
+    system, *users = turns()
+    conversation, prompts, answers, kept = list(system), [], [], []
+    for user in users:
+        conversation += user
+        prompts.append(list(conversation))
+        answer = gen.generate([conversation], NEW_TOKENS, reuse_prefix=reuse)[0]
+        answers.append(answer)
+        kept.append(gen.last_stats.kept[0])
+        conversation += answer
+    return prompts, answers, kept
+
+
+@pytest.fixture(scope="module")
+def references(hf_checkpoints):
+    """checkpoint -> transformers' greedy answer to each turn's whole conversation."""
+    out = {}
+    for name in CASES:
+        hf = hf_checkpoints[name][1]
+        system, *users = turns()
+        conversation, answers = list(system), []
+        for user in users:
+            conversation += user
+            answers.append(hf_greedy(hf, conversation, NEW_TOKENS))
+            conversation += answers[-1]
+        out[name] = answers
+    return out
+
+
+def generator(hf_checkpoints, name: str, backend: str, **options) -> staticrt.Generator:
+    cache, max_cache_len = CASES[name]
+    model = staticrt.load_model(hf_checkpoints[name][0])
+    return staticrt.Generator(model, cache=cache, max_cache_len=max_cache_len, backend=backend, **options)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_turn_prefills_only_what_it_adds_and_gives_transformers_tokens(hf_checkpoints, references, name):
+    prompts, answers, kept = converse(generator(hf_checkpoints, name, "eager"))
+    assert answers == references[name]
+    # a turn keeps the previous conversation and the answer's tokens but the last (never fed)
+    assert kept == [0] + [len(prompts[t - 1]) + NEW_TOKENS - 1 for t in range(1, len(prompts))]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "mistral-sw16"])
+def test_compiled_turns_reuse_their_row_without_recompiling(hf_checkpoints, references, name):
+    gen = generator(hf_checkpoints, name, "compiled", prefill_buckets=(16, 32))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        _, answers, kept = converse(gen)
+    assert answers == references[name] and all(kept[1:])
+    # the first turn's fresh prefill (16), the later turns' continuing ones (16 and 32), and decode
+    assert set(gen.backend._graphs) == {
+        (16, "pick", True),
+        (16, "pick", False),
+        (32, "pick", False),
+        (1, "pick", False),
+    }
+
+
+@pytest.fixture(scope="module")
+def onnx_artifacts(hf_checkpoints, tmp_path_factory):
+    """The static llama and the sliding mistral as batch-1 ONNX artifacts."""
+    out = {}
+    for name in ("llama", "mistral-sw16"):
+        cache, max_cache_len = CASES[name]
+        folder = tmp_path_factory.mktemp("onnx") / name
+        argv = ["export", "--model", str(hf_checkpoints[name][0]), "--format", "onnx", "--out", str(folder)]
+        assert main([*argv, "--cache", cache, "--max-cache-len", str(max_cache_len)]) == 0
+        out[name] = folder
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sw16"])
+def test_an_onnx_row_continues_its_conversation(hf_checkpoints, onnx_artifacts, references, name):
+    """ONNX Runtime writes one column of every row; a batch-1 row's columns are its positions, so
+    it continues from a kept prefix by moving back to where the prefix ends: after the turns, a
+    prompt that branches off after the first turn keeps that turn (static) or nothing (a wrapped
+    sliding row), and both give transformers' tokens."""
+    gen = staticrt.load_artifact(onnx_artifacts[name], backend="onnx")
+    prompts, answers, kept = converse(gen)
+    assert answers == references[name] and all(kept[1:])
+    branch = prompts[0] + [11, 12, 13]
+    assert gen.generate([branch], NEW_TOKENS, reuse_prefix=True)[0] == hf_greedy(
+        hf_checkpoints[name][1], branch, NEW_TOKENS
+    )
+    assert gen.last_stats.kept == [len(prompts[0]) if name == "llama" else 0]
+
+
+@pytest.fixture(scope="module")
+def sliding_model(hf_checkpoints):
+    return staticrt.load_model(hf_checkpoints["mistral-sw16"][0])
+
+
+@given(
+    first=st.lists(st.integers(1, 255), min_size=1, max_size=40),
+    shared=st.integers(0, 60),
+    suffix=st.lists(st.integers(1, 255), min_size=0, max_size=16),
+    slots=st.sampled_from([16, 19]),
+)
+def test_reuse_equals_a_whole_prefill_for_any_shared_prefix(sliding_model, first, shared, suffix, slots):
+    """A row holds a prompt and its answer; the next prompt shares any prefix of that with it.
+    Rotating buffers of 16 slots (the window) or 19 (three to spare): kept or not as prefix.py
+    says, the answer equals a whole prefill's in a fresh cache, which is what exact means."""
+    options = dict(cache="sliding", window=slots, max_cache_len=64, prefill_buckets=(16, 64))
+    gen = staticrt.Generator(sliding_model, **options)
+    answer = gen.generate([first], 6)[0]
+    held = first + answer[:-1]
+    prompt = (first + answer)[:shared] + suffix or [7]
+    expected = staticrt.Generator(sliding_model, **options).generate([prompt], 6)[0]
+    assert gen.generate([prompt], 6, reuse_prefix=True)[0] == expected
+    assert gen.last_stats.kept == [kept_prefix(held, prompt, ((slots, 16),))]
+
+
+def test_what_a_rotating_row_can_keep():
+    """The arithmetic of prefix.py's worked example: 4 slots, a window of 4, 6 positions held."""
+    held, prompt = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]
+    assert kept_prefix(held, prompt, ()) == 6  # linear layers keep any prefix
+    assert kept_prefix(held, prompt, ((4, 4),)) == 6  # from the end: exact
+    assert kept_prefix(held, [1, 2, 3, 4, 5, 9], ((4, 4),)) == 0  # from 5 a scribbled slot is seen
+    assert kept_prefix(held, [1, 2, 3, 4, 5, 9], ((5, 4),)) == 5  # one spare slot backs off one
+    assert kept_prefix(held, [1, 2, 3, 9], ((7, 4),)) == 3  # never wrapped: any prefix
+    assert kept_prefix(held, [1, 2, 3, 4, 5, 6], ()) == 5  # the whole prompt held: back off one
+    assert kept_prefix(held, held + [8], ((4, None),)) == 0  # a sink layer that wrapped: nothing
+
+
+SYSTEM = list(range(100, 112))  # a "system prompt" of 12 tokens that two requests share
+
+
+@pytest.mark.parametrize("backend", ["eager", "compiled"])
+def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints, backend):
+    """Two rows. A (the system prompt and a question) and B (unrelated) take a row each; C shares
+    the system prompt with A and is seated in A's row, keeps those 12 tokens (OpenAI's
+    `cached_tokens`) and prefills the rest; D, the same as C, keeps all of C's prompt but the
+    last token. Then two clients at once whose prompts share the system prompt and then differ:
+    neither sees the other's tokens. Every answer is a lone generate's; the compiled server
+    never recompiles."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    model = staticrt.load_model(hf_checkpoints["llama"][0])
+    build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=64, backend=backend)  # noqa: E731
+    lone = build(1)
+    prompts = {"A": SYSTEM + [5, 6, 7, 8], "B": [9] * 10, "C": SYSTEM + [20, 21, 22, 23, 24]}
+    prompts["D"] = prompts["C"]
+    app, _ = serve_backend(build(2).backend, name="tiny", prefiller=build(1).backend)
+    with torch._dynamo.config.patch(error_on_recompile=True), running(app) as url:
+        api = client(url)
+
+        def ask(prompt: list[int]) -> tuple[list[int], int]:
+            reply = api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+            return reply.choices[0].model_extra["token_ids"], reply.usage.prompt_tokens_details.cached_tokens
+
+        got = {name: ask(prompt) for name, prompt in prompts.items()}
+        pair = [SYSTEM + [30, 31], SYSTEM + [40, 41, 42]]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(ask, pair))
+        metrics = httpx.get(f"{url}/metrics").text
+    for name, prompt in prompts.items():
+        assert got[name][0] == lone.generate([prompt], 6)[0], name
+    assert {name: cached for name, (_, cached) in got.items()} == {"A": 0, "B": 0, "C": 12, "D": 16}
+    assert [tokens for tokens, _ in together] == [lone.generate([p], 6)[0] for p in pair]
+    cached = [c for _, c in [*got.values(), *together]]  # the pair's: 12 for whichever took A's row
+    assert f"staticrt_prefix_hits_total {sum(c > 0 for c in cached)}.0" in metrics
+    assert f"staticrt_prefix_reused_tokens_total {sum(cached)}.0" in metrics
+    prompt_tokens = sum(map(len, [*prompts.values(), *pair]))
+    assert f"staticrt_prefilled_tokens_total {prompt_tokens - sum(cached)}.0" in metrics
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_weights_and_an_int8_cache_reuse_a_row_exactly(hf_checkpoints, quantize):
+    """int8/int4 weights and a static-int8 cache (K/V int8 with a scale a token): a conversation
+    that keeps its row gives the answers of one that prefills every turn whole."""
+    model = staticrt.load_model(hf_checkpoints["llama"][0], quantize=quantize)
+    build = lambda: staticrt.Generator(model, cache="static-int8", max_cache_len=128)  # noqa: E731
+    _, kept_answers, kept = converse(build())
+    _, whole_answers, none = converse(build(), reuse=False)
+    assert kept_answers == whole_answers and all(kept[1:]) and not any(none)
+
+
+def test_a_rest_wider_than_the_widest_continuing_graph_goes_in_chunks(hf_checkpoints, monkeypatch):
+    """With continuing graphs only 16 wide (REUSE_WIDTH 16), a request that keeps the 12-token
+    system prompt prefills its 30 other tokens in two continuing chunks of 16 (no 32-wide
+    continuing graph is ever built): a lone generate's tokens."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    from serving import client, running
+
+    import staticrt.serve
+
+    monkeypatch.setattr(staticrt.serve, "REUSE_WIDTH", 16)
+    model = staticrt.load_model(hf_checkpoints["llama"][0])
+    build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=64, backend="compiled")  # noqa: E731
+    prefiller = build(1).backend
+    app, _ = staticrt.serve.serve_backend(build(1).backend, name="tiny", prefiller=prefiller)
+    long = SYSTEM + list(range(30, 60))
+    with running(app) as url:
+        api = client(url)
+        api.completions.create(model="tiny", prompt=SYSTEM + [5, 6], max_tokens=3, temperature=0)
+        reply = api.completions.create(model="tiny", prompt=long, max_tokens=6, temperature=0)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 12
+    assert reply.choices[0].model_extra["token_ids"] == build(1).generate([long], 6)[0]
+    assert {key for key in prefiller._graphs if not key[2]} == {(16, "pick", False)}  # continuing: 16 only
