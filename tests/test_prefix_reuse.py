@@ -84,7 +84,7 @@ def test_each_turn_prefills_only_what_it_adds_and_gives_transformers_tokens(hf_c
     assert kept == [0] + [len(prompts[t - 1]) + NEW_TOKENS - 1 for t in range(1, len(prompts))]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "mistral-sw16"])
+@pytest.mark.parametrize("name", ["gemma2", "mistral-sw16"])  # a static row: the compiled server test below
 def test_compiled_turns_reuse_their_row_without_recompiling(hf_checkpoints, references, name):
     gen = generator(hf_checkpoints, name, "compiled", prefill_buckets=(16, 32))
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -168,26 +168,25 @@ def test_what_a_rotating_row_can_keep():
 SYSTEM = list(range(100, 112))  # a "system prompt" of 12 tokens that two requests share
 
 
-@pytest.mark.parametrize("backend", ["eager", "compiled"])
-def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints, backend):
+def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints):
     """Two rows. A (the system prompt and a question) and B (unrelated) take a row each; C shares
     the system prompt with A and is seated in A's row, keeps those 12 tokens (OpenAI's
     `cached_tokens`) and prefills the rest; D, the same as C, keeps all of C's prompt but the
     last token. Then two clients at once whose prompts share the system prompt and then differ:
-    neither sees the other's tokens. Every answer is a lone generate's; the compiled server
-    never recompiles."""
+    neither sees the other's tokens. Every answer is a lone generate's. (Eager: the compiled
+    server's graphs are the next test's.)"""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import client, running
 
     from staticrt.serve import serve_backend
 
     model = staticrt.load_model(hf_checkpoints["llama"][0])
-    build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=64, backend=backend)  # noqa: E731
+    build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=64)  # noqa: E731
     lone = build(1)
     prompts = {"A": SYSTEM + [5, 6, 7, 8], "B": [9] * 10, "C": SYSTEM + [20, 21, 22, 23, 24]}
     prompts["D"] = prompts["C"]
     app, _ = serve_backend(build(2).backend, name="tiny", prefiller=build(1).backend)
-    with torch._dynamo.config.patch(error_on_recompile=True), running(app) as url:
+    with running(app) as url:
         api = client(url)
 
         def ask(prompt: list[int]) -> tuple[list[int], int]:
@@ -224,7 +223,8 @@ def test_quantized_weights_and_an_int8_cache_reuse_a_row_exactly(hf_checkpoints,
 def test_a_rest_wider_than_the_widest_continuing_graph_goes_in_chunks(hf_checkpoints, monkeypatch):
     """With continuing graphs only 16 wide (REUSE_WIDTH 16), a request that keeps the 12-token
     system prompt prefills its 30 other tokens in two continuing chunks of 16 (no 32-wide
-    continuing graph is ever built): a lone generate's tokens."""
+    continuing graph is ever built): a lone generate's tokens, and the compiled server never
+    recompiles."""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import client, running
 
@@ -236,7 +236,7 @@ def test_a_rest_wider_than_the_widest_continuing_graph_goes_in_chunks(hf_checkpo
     prefiller = build(1).backend
     app, _ = staticrt.serve.serve_backend(build(1).backend, name="tiny", prefiller=prefiller)
     long = SYSTEM + list(range(30, 60))
-    with running(app) as url:
+    with torch._dynamo.config.patch(error_on_recompile=True), running(app) as url:
         api = client(url)
         api.completions.create(model="tiny", prompt=SYSTEM + [5, 6], max_tokens=3, temperature=0)
         reply = api.completions.create(model="tiny", prompt=long, max_tokens=6, temperature=0)
