@@ -52,11 +52,13 @@ def test_converted_model_gives_transformers_greedy_tokens_for_a_chat_prompt(smol
 
 
 def test_compiled_real_model_gives_transformers_tokens_and_says_it_is_compiling(
-    smollm2, chat_prompt, hf_answer, caplog
+    smollm2, chat_prompt, hf_answer, caplog, monkeypatch
 ):
     """The one compile of the 30-layer model in the suite (minutes on 2 cores, cold): announced in
-    the log before it starts, and its time kept apart from the prefill's; a second backend loads both
-    graphs from the compile cache."""
+    the log before it starts, and its time kept apart from the prefill's. It compiles in the process:
+    storing the graphs as AOTInductor libraries takes ~1.5x longer (docs/measurements.md), and the
+    store's promises are test_compile_cache.py's, on a Llama of the smallest size it serves."""
+    monkeypatch.setenv("STATICRT_COMPILE_CACHE", "off")
     model = staticrt.load_model(smollm2)
     gen = staticrt.Generator(model, max_cache_len=96, backend="compiled", prefill_buckets=[32])
     with caplog.at_level(logging.INFO, logger="staticrt"):
@@ -74,17 +76,6 @@ def test_compiled_real_model_gives_transformers_tokens_and_says_it_is_compiling(
     assert first.compile_s > 10 * first.prefill_s > 0
     gen.generate([chat_prompt], 2, stop_token_ids=[])
     assert gen.last_stats.compile_s == 0.0
-    # A new backend (as a new process would) loads both graphs from the compile cache: same tokens.
-    again = staticrt.Generator(staticrt.load_model(smollm2), max_cache_len=96, backend="compiled", prefill_buckets=[32])
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="staticrt"):
-        assert again.generate([chat_prompt], NEW_TOKENS, stop_token_ids=[])[0] == hf_answer
-    assert [r.getMessage().split(",")[0] for r in caplog.records] == [
-        "loading the prefill32 step graph",
-        "loaded from the compile cache",
-        "loading the decode step graph",
-        "loaded from the compile cache",
-    ]
 
 
 def test_artifact_backends_refuse_beam_search_by_name(smollm2_artifact):
