@@ -22,7 +22,7 @@ from hf_models import hf_greedy, save_hf_model
 
 import staticrt
 from staticrt import GenerationError
-from staticrt.backends.compiled import FREEZE_MIN_HIDDEN
+from staticrt.backends.freezing import FREEZE_MIN_HIDDEN
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
 NEW = 12

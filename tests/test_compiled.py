@@ -221,19 +221,19 @@ def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_o
     for oneDNN's GEMM (backends/compiled.py); this fails if torch drops a name that relies on."""
     from torch._dynamo.utils import counters
 
-    from staticrt.backends import compiled as compiled_module
+    from staticrt.backends import freezing
     from staticrt.models.presets import PRESETS
 
     config = dataclasses.replace(
         PRESETS["tiny-llama"], hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64
     )
-    assert config.hidden_size >= compiled_module.FREEZE_MIN_HIDDEN
+    assert config.hidden_size >= freezing.FREEZE_MIN_HIDDEN
     monkeypatch.setitem(PRESETS, "test-256", config)
     model = staticrt.load_model("test-256")
     asked = []
-    ask = compiled_module._OneDnnLinears.__getattr__
+    ask = freezing._OneDnnLinears.__getattr__
     monkeypatch.setattr(
-        compiled_module._OneDnnLinears, "__getattr__", lambda self, name: asked.append(name) or ask(self, name)
+        freezing._OneDnnLinears, "__getattr__", lambda self, name: asked.append(name) or ask(self, name)
     )
     counters.clear()
     compiled = staticrt.Generator(model, max_batch_size=2, max_cache_len=64, backend="compiled")
@@ -268,7 +268,9 @@ def test_a_cpu_prefill_graph_traces_one_layer_for_all_and_gives_the_same_tokens(
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
     captured, tokens = {}, {}
     for once in (True, False):
-        monkeypatch.setattr(CompiledBackend, "layers_once", lambda self, seq_len, once=once: seq_len > 1 and once)
+        monkeypatch.setattr(
+            CompiledBackend, "layers_once", lambda self, seq_len, choice="pick", once=once: seq_len > 1 and once
+        )
         compiled = staticrt.Generator(model, max_batch_size=2, max_cache_len=64, backend="compiled")
         for width in (16, 1):
             counters.clear()

@@ -13,8 +13,8 @@ import logging
 import os
 import time
 import types
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Hashable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,8 @@ import torch
 from ..errors import GenerationError
 from ..generation import builds
 from ..generation.loop import SamplingParams
-from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice
+from .eager import VERIFY, EagerBackend, StepFn, run_step, starts_fresh, step_choice
+from .freezing import FREEZE_MIN_HIDDEN, frozen_decode_weights
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
 
@@ -49,55 +50,6 @@ def _own_code_copy(fn: types.FunctionType, tag: str, **keywords: Any) -> types.F
     copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **keywords}
     return copy
-
-
-# Decode step, B=1 / B=8, ms, MKL -> frozen oneDNN (docs/measurements.md): hidden 64: 0.11 -> 0.33 /
-# 0.21 -> 0.32; 128: 0.40 -> 0.52 / 2.0 -> 1.5; 256: 1.9 -> 1.2 / 3.8 -> 1.9; 512 (bench-llama):
-# 10.5 -> 9.4 / 23-30 -> 10.1; 576 (SmolLM2): 36 -> 32 / 85 -> 36.
-FREEZE_MIN_HIDDEN = 256
-
-
-class _OneDnnLinears:
-    """torch.ops.mkldnn as inductor's weight-pack pass sees it, saying "pack fp32 for oneDNN"."""
-
-    def __init__(self, ops: Any) -> None:
-        self._ops = ops
-
-    def __getattr__(self, name: str) -> Any:
-        return (lambda: True) if name == "_is_mkldnn_acl_supported" else getattr(self._ops, name)
-
-
-@contextmanager
-def frozen_decode_weights() -> Iterator[None]:
-    """Compile the graph traced inside with its weights frozen and prepacked for oneDNN's GEMM.
-
-    A decode step is a few rows times every weight. With weights as graph inputs, inductor calls
-    MKL's sgemm, which on the project's CPU runs a `[8, C]` step at ~2.5x the time of a `[1, C]`
-    one; oneDNN's prepacked GEMM reads the weights once for all rows (docs/measurements.md).
-    Inductor packs weights only when `freezing` is on during the trace, and for fp32 picks MKL's
-    packed GEMM (no faster) unless it believes oneDNN is the only path (its `acl` check); the
-    second patch answers that check, for the pack pass alone. Torch does not promise either
-    name: where they are gone, the graph compiles as before (same tokens, slower).
-    Frozen weights are constants of the graph, each frozen graph holding its own packed copy; a
-    generation after weights changed in place is refused (`CompiledBackend.step`), never computed
-    with the old ones.
-    """
-    import torch._inductor.config as inductor_config
-
-    try:
-        from torch._inductor.fx_passes import mkldnn_fusion
-    except ImportError:
-        mkldnn_fusion = None
-    with inductor_config.patch(freezing=True):
-        if mkldnn_fusion is None or not hasattr(mkldnn_fusion, "mkldnn"):
-            yield
-            return
-        original = mkldnn_fusion.mkldnn
-        mkldnn_fusion.mkldnn = _OneDnnLinears(original)
-        try:
-            yield
-        finally:
-            mkldnn_fusion.mkldnn = original
 
 
 class CompiledBackend(EagerBackend):
@@ -150,7 +102,7 @@ class CompiledBackend(EagerBackend):
         stored = self._graphs.get(key)
         if isinstance(stored, StoredStep) and stored.addresses != live_addresses(self._stored_graph(key)):
             del self._graphs[key]  # weights replaced since it loaded (dynamo would guard): load it for the new ones
-        freezes = self.freezes(key[0])
+        freezes = self.freezes(key[0], choice)
         if freezes and self._frozen_weights not in (None, self._weight_stamps()):
             raise GenerationError(
                 "the model's weights changed in place after its decode graph froze them (CPU decode graphs "
@@ -168,14 +120,20 @@ class CompiledBackend(EagerBackend):
         return [(p.data_ptr(), p._version) for p in self.model.parameters()]
 
     def prepare(
-        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
+        self,
+        widths: Sequence[int],
+        do_sample: bool,
+        continuing: bool = False,
+        fresh: bool = True,
+        candidates: int = 0,
+        verify: bool = False,
     ) -> float:
         """Compile (and, on CUDA, capture) each graph a generation will use for the first time, by
         running it once on dummy inputs (zeros, at position 0, or 1 for a `continuing` graph), and
         say so in the log: a 30-layer model takes minutes on a CPU. Rows that may hold tokens a
         later step continues (`live`) get their cache back afterwards. `candidates` > 0: the
-        graphs of a beam step (`beam_step`)."""
-        spent, batch, choice = 0.0, self.batch_size, self.graph_choice(step_choice(do_sample, candidates))
+        graphs of a beam step (`beam_step`); `verify`: of a step that checks drafts (`verify_step`)."""
+        spent, batch, choice = 0.0, self.batch_size, self.graph_choice(step_choice(do_sample, candidates, verify))
         todo = self._unbuilt_keys(widths, choice, continuing, fresh)
         if not todo:
             return 0.0
@@ -206,10 +164,16 @@ class CompiledBackend(EagerBackend):
         return spent
 
     def unbuilt(
-        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
+        self,
+        widths: Sequence[int],
+        do_sample: bool,
+        continuing: bool = False,
+        fresh: bool = True,
+        candidates: int = 0,
+        verify: bool = False,
     ) -> set[Hashable]:
         """The graphs `prepare` with these arguments would build, by (width, choice, fresh)."""
-        choice = self.graph_choice(step_choice(do_sample, candidates))
+        choice = self.graph_choice(step_choice(do_sample, candidates, verify))
         return set(self._unbuilt_keys(widths, choice, continuing, fresh))
 
     def graph_choice(self, choice: str) -> str:
@@ -228,24 +192,33 @@ class CompiledBackend(EagerBackend):
             keys += [(w, choice, False) for w in widths if w > 1 and (limit is None or w < limit)]
         return [key for key in dict.fromkeys(keys) if key not in self._built]
 
-    def freezes(self, seq_len: int) -> bool:
+    def freezes(self, seq_len: int, choice: str = "pick") -> bool:
         """Whether a graph of width `seq_len` compiles with frozen, oneDNN-packed weights
-        (`frozen_decode_weights`): a CPU decode graph whose matrices are large enough to repay
-        oneDNN's ~20 µs a call (hidden size `FREEZE_MIN_HIDDEN` and up). Prefill graphs, whose
-        GEMMs have B*T rows and run at MKL's full speed, keep the weights as inputs; so do quantized
-        weights, whose kernels read them as they are (freezing would fold them back into floats)."""
+        (`frozen_decode_weights`): a CPU decode or verify graph whose matrices are large enough to
+        repay oneDNN's ~20 µs a call (hidden size `FREEZE_MIN_HIDDEN` and up). A verify step's few
+        rows a row read the packed weights once, at about a decode step's time (SmolLM2, 5 wide: 29
+        against 30 ms; unpacked 78 ms), and hold a second packed copy (docs/measurements.md).
+        Prefill graphs, whose GEMMs have B*T rows and run at MKL's full speed, keep the weights as
+        inputs; so do quantized weights, whose kernels read them as they are (freezing would fold
+        them back into floats)."""
         return (
-            seq_len == 1
+            (seq_len == 1 or choice == VERIFY)
             and self.device.type == "cpu"
             and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
             and self.model.quantization is None
         )
 
-    def layers_once(self, seq_len: int) -> bool:
+    def layers_once(self, seq_len: int, choice: str = "pick") -> bool:
         """Whether a graph of width `seq_len` compiles its layer once (`layers_once_options`): a CPU
-        prefill graph of a float model. torchao's weights cannot enter the region in torch 2.13,
-        and on CUDA the graphs keep the path that CUDA graphs were written for."""
-        return seq_len > 1 and self.device.type == "cpu" and self.model.quantization is None
+        prefill graph of a float model (a frozen verify graph keeps the C++ wrapper, as decode).
+        torchao's weights cannot enter the region in torch 2.13, and on CUDA the graphs keep the
+        path that CUDA graphs were written for."""
+        return (
+            seq_len > 1
+            and self.device.type == "cpu"
+            and self.model.quantization is None
+            and not self.freezes(seq_len, choice)
+        )
 
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code
@@ -265,9 +238,15 @@ class CompiledBackend(EagerBackend):
                 name, reason = graph_name(*key), f"{type(err).__name__}: {err}"
                 log.warning("the %s graph cannot go through the compile cache (%s); compiling it", name, reason)
         if key not in self._graphs:
-            once = self.layers_once(seq_len)
+            once = self.layers_once(seq_len, choice)
             compiled = torch.compile(
-                _own_code_copy(run_step, graph_name(*key), layers_once=once, either=choice == "pick"),
+                _own_code_copy(
+                    run_step,
+                    graph_name(*key),
+                    layers_once=once,
+                    either=choice == "pick",
+                    every_position=choice == VERIFY,
+                ),
                 fullgraph=True,
                 dynamic=False,
                 **(self.layers_once_options if once else self.compile_options),
@@ -282,8 +261,9 @@ class CompiledBackend(EagerBackend):
         small = self.model.config.hidden_size < FREEZE_MIN_HIDDEN  # compiles in seconds, faster in process
         if self.store is None or self.device.type != "cpu" or self.model.quantization is not None or small:
             return None
-        width = key[0]
-        return self.store.graph(key, frozen_decode_weights if self.freezes(width) else None, self.layers_once(width))
+        width, choice, _ = key
+        freezing = frozen_decode_weights if self.freezes(width, choice) else None
+        return self.store.graph(key, freezing, self.layers_once(width, choice))
 
     def stored(self, key: tuple[int, str, bool]) -> bool:
         """Whether the graph `key` is loaded from the compile cache rather than compiled."""

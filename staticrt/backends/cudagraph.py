@@ -32,7 +32,7 @@ import torch
 
 from ..generation.loop import SamplingParams, per_row
 from .compiled import CompiledBackend
-from .eager import StepFn, choice_candidates, starts_fresh, step_choice
+from .eager import VERIFY, StepFn, choice_candidates, starts_fresh, step_choice
 
 _WARNED = False
 
@@ -219,8 +219,8 @@ class CudaGraphBackend(CompiledBackend):
         fn, k = self.step_function(*key), choice_candidates(choice)
         if k:  # a beam step's candidates: log-probabilities and ids, [B, k] each
             output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
-        else:
-            output = torch.zeros(batch, dtype=torch.int64, device=dev)
+        else:  # a token a row, or after every position of a verify step
+            output = torch.zeros((batch, seq_len) if choice == VERIFY else batch, dtype=torch.int64, device=dev)
         entry = _Graph(torch.cuda.CUDAGraph(), {n: v for n, v in inputs.items() if v is not None}, output)
         feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
 

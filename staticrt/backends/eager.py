@@ -3,6 +3,7 @@ and only swaps how a step function is obtained (`step_function`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -11,7 +12,8 @@ import torch
 
 from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
 from ..errors import CacheError, GenerationError, as_int
-from ..generation.loop import SamplingParams, default_buckets, per_row
+from ..generation.buckets import default_buckets
+from ..generation.loop import SamplingParams, per_row
 from ..generation.prefix import Layouts, rotating_layouts
 from ..generation.sampling import beam_candidates, greedy, pick, sample
 from ..models.decoder import Decoder
@@ -19,11 +21,17 @@ from ..models.decoder import Decoder
 StepFn = Callable[..., Any]
 
 
-def step_choice(do_sample: bool, candidates: int = 0) -> str:
-    """How a step picks what it returns, and what its graph is called: "greedy", "sample", or
-    "beam{k}" (each row's k best continuations, for beam search). A compiled backend may run
+def step_choice(do_sample: bool, candidates: int = 0, verify: bool = False) -> str:
+    """How a step picks what it returns, and what its graph is called: "greedy", "sample",
+    "beam{k}" (each row's k best continuations, for beam search) or "verify" (the greedy token
+    after every position, checking drafted tokens: `verify_step`). A compiled backend may run
     greedy and sampling steps as one choice, "pick" (`CompiledBackend.graph_choice`)."""
+    if verify:
+        return VERIFY
     return f"beam{candidates}" if candidates else ("sample" if do_sample else "greedy")
+
+
+VERIFY = "verify"
 
 
 def choice_candidates(choice: str) -> int:
@@ -53,11 +61,16 @@ def run_step(
     *,
     layers_once: bool = False,
     either: bool = False,
+    every_position: bool = False,
 ) -> Any:
     """One model step plus token choice: the unit every torch backend runs (and compiles) whole.
-    Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair.
+    Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair;
+    with `every_position` (a "verify" step), the greedy token after each position, `[B, T]`.
     `layers_once`: see `Decoder.forward`; `either`: the step serves greedy and sampling steps
-    (`sampling.pick`, a uniform a row always given). A compiled graph's own copy sets both."""
+    (`sampling.pick`, a uniform a row always given). A compiled graph's own copy sets these."""
+    if every_position:
+        logits = model(input_ids, write_index, cache, num_new, last_only=False, fresh=fresh, layers_once=layers_once)
+        return greedy(logits)  # [B, T]
     logits = model(input_ids, write_index, cache, num_new, fresh=fresh, layers_once=layers_once)  # [B, V]
     if candidates:
         return beam_candidates(logits, candidates)
@@ -66,6 +79,9 @@ def run_step(
     if uniform is None:
         return greedy(logits)
     return sample(logits, temperature, top_k, top_p, uniform)
+
+
+_verify_step = functools.partial(run_step, every_position=True)
 
 
 def _check_cache(cache: KVCache, model: Decoder, param: torch.Tensor, **requested: int | None) -> None:
@@ -147,7 +163,7 @@ class EagerBackend:
         """The callable that runs a step of `seq_len` tokens a row choosing as `choice` says
         (`step_choice`), from position 0 where `fresh` (`starts_fresh`); eager runs `run_step`
         as it is."""
-        return run_step
+        return _verify_step if choice == VERIFY else run_step
 
     def reset(self) -> None:
         self.cache.reset()
@@ -159,13 +175,13 @@ class EagerBackend:
         self.cache.copy_row(source.cache, source_row, row)
 
     def prepare(
-        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, **_: Any
     ) -> float:
         """Nothing to build: eager runs the step as it is."""
         return 0.0
 
     def unbuilt(
-        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, candidates: int = 0
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, **_: Any
     ) -> set[Hashable]:
         return set()
 
@@ -198,6 +214,12 @@ class EagerBackend:
         self.live = True
         scores, ids = self.run(step_choice(False, candidates), input_ids, write_index, num_new, SamplingParams(), None)
         return scores.cpu().numpy(), ids.cpu().numpy()
+
+    def verify_step(self, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+        """A step that checks drafted tokens: row b feeds `input_ids[b, :num_new[b]]` (its next
+        token, then its draft) and gets the greedy token after each position, `[B, T]` int64."""
+        self.live = True
+        return self.run(VERIFY, input_ids, write_index, num_new, SamplingParams(), None).cpu().numpy()
 
     def reorder_rows(self, rows: np.ndarray) -> None:
         """Row b of the cache takes row `rows[b]`'s contents (`rows [B]` int64), in place: beam

@@ -42,7 +42,7 @@ from ..artifacts.write import write_folder
 from ..caches import KVCache
 from ..errors import StaticrtError
 from ..models.decoder import Decoder
-from .eager import choice_candidates, run_step
+from .eager import VERIFY, choice_candidates, run_step
 
 log = logging.getLogger("staticrt")
 
@@ -126,6 +126,7 @@ class StepModule(torch.nn.Module):
             fresh=self.fresh,
             layers_once=self.layers_once,
             either=self.choice == "pick",
+            every_position=self.choice == VERIFY,
         )
 
 
@@ -186,7 +187,7 @@ class GraphStore:
 
     def graph(self, key: Key, freezing: Freezing | None, layers_once: bool) -> StepModule:
         """The step of the graph `key` as the store traces it: `freezing` is the context a frozen
-        graph compiles within (compiled.py's `frozen_decode_weights`), None for weights as inputs."""
+        graph compiles within (freezing.py's `frozen_decode_weights`), None for weights as inputs."""
         return StepModule(self.model, self.cache, key, freezing, layers_once)
 
     def holds(self, step: StepModule) -> bool:

@@ -30,7 +30,7 @@ def hf_model_like(model: Decoder) -> Any:
     return hf
 
 
-class _TokenClock:
+class TokenClock:
     """A transformers streamer that timestamps every `put`: the prompt first, then each token."""
 
     def __init__(self) -> None:
@@ -81,7 +81,7 @@ def hf_contender(model: Decoder, prompts: list[list[int]], new_tokens: int, cach
     held: dict[str, Any] = {}
 
     def generate() -> tuple[float, float, list[list[int]]]:
-        clock = _TokenClock()
+        clock = TokenClock()
         start = time.perf_counter()
         with torch.no_grad():
             out = hf.generate(ids, streamer=clock, **kwargs)

@@ -9,6 +9,7 @@ from ..bench import run_bench, write_report
 from ..bench.chat_turns import chat_turns
 from ..bench.cold_start import PHASES, cold_start
 from ..bench.machine import describe
+from ..bench.speculative import speculative_bench
 from .console import console, progress, show_table
 
 
@@ -17,6 +18,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _cold_start(args)
     if args.chat_turns is not None:
         return _chat_turns(args)
+    if args.speculative is not None:
+        return _speculative(args)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "hf" in backends:
         try:
@@ -151,3 +154,36 @@ def _chat_turns(args: argparse.Namespace) -> int:
     if not report["answers_agree"]:
         console.print("[red]the answers with and without prefix reuse differ[/]")
     return 0 if report["answers_agree"] else 1
+
+
+def _speculative(args: argparse.Namespace) -> int:
+    from ..loading.gguf_folders import local_checkpoint
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    backend = next((b for b in backends if b != "hf"), "compiled")
+    with progress("speculative decoding") as update:
+        report = speculative_bench(
+            str(local_checkpoint(args.model)),
+            args.speculative,
+            backend,
+            args.threads,
+            args.new_tokens,
+            args.repeats,
+            with_hf="hf" in backends,
+            on_stage=update,
+        )
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    columns = ["kind", "prompt", "tokens", "tok/s", "tok/s spec", "speedup", "accepted", "hf tok/s", "hf lookup"]
+    keys = ["kind", "prompt", "new_tokens", "plain_tok_s", "speculative_tok_s", "speedup"]
+    rows = [
+        [*(r[k] for k in keys), f"{r['accepted']}/{r['drafted']}", r.get("hf_tok_s"), r.get("hf_lookup_tok_s")]
+        for r in report["prompts"]
+    ]
+    show_table(
+        f"{args.model} ({backend}), {args.speculative}, {describe(report['machine'])}", columns, rows, args.format
+    )
+    for kind, summary in report["summary"].items():
+        console.print(f"{kind}: decode {summary['speedup_geomean']:.2f}x with speculation (geometric mean)")
+    return 0

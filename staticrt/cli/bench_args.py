@@ -82,6 +82,14 @@ def _add_other_runs(bench: Any) -> None:
         "transformers, and llama.cpp on --gguf (with --threads)",
     )
     bench.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram[:K]",
+        help="instead: the bench's own prompts (copy-heavy: rewrite, edit code, repeat; open-ended chat) decoded "
+        "greedily without and with speculation on --model's chat template (the first of --backends; --threads, "
+        "--new-tokens, --repeats), and transformers without and with prompt_lookup_num_tokens=K (hf in --backends)",
+    )
+    bench.add_argument(
         "--chat-turns",
         type=int,
         default=None,

@@ -64,6 +64,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             "prefill_ms": 1000 * stats.prefill_s,
             "decode_ms_per_token": stats.decode_ms_per_token,  # null when one token was asked for
         }
+        if args.speculative is not None:  # how the drafts fared
+            out.update(verify_steps=stats.verify_steps, drafted=stats.drafted, accepted=stats.accepted)
+            out["tokens_per_step"] = stats.decode_tokens / len(stats.decode_s) if stats.decode_s else None
         if tokenizer is not None:
             out["text"] = [tokenizer.decode(t) for t in tokens]
         print(json.dumps(out, allow_nan=False))
@@ -81,8 +84,14 @@ def timings(stats: Any) -> str:
     tokens the cache kept), decode."""
     decode = stats.decode_ms_per_token
     kept = f" ({sum(stats.kept)} prompt tokens kept in the cache)" if any(stats.kept) else ""
+    drafts = (
+        f" ({stats.verify_steps} of {len(stats.decode_s)} steps verified drafts, {stats.accepted} of "
+        f"{stats.drafted} drafted tokens accepted)"
+        if stats.verify_steps
+        else ""
+    )
     return (
         (f"compile {stats.compile_s:.1f} s, " if stats.compile_s else "")
         + f"prefill {1000 * stats.prefill_s:.1f} ms{kept}, "
-        + (f"decode {decode:.2f} ms/token" if decode is not None else "no decode step (one new token)")
+        + (f"decode {decode:.2f} ms/token{drafts}" if decode is not None else "no decode step (one new token)")
     )

@@ -115,4 +115,5 @@ def generate_options(args: argparse.Namespace, source: Source, gen: Any) -> dict
         "seed": args.seed,
         "stop_token_ids": stops,
         **source.defaults.sampling(args.temperature, args.top_k, args.top_p),
+        **({"speculative": args.speculative} if args.speculative is not None else {}),
     }

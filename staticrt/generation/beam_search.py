@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
-from .loop import GenerationStats, SamplingParams, StepBackend, bucket_for
+from .buckets import bucket_for
+from .loop import GenerationStats, SamplingParams, StepBackend
 from .request import validate_request
 
 NEG = np.float32(-1.0e9)  # transformers' score for "not a candidate"

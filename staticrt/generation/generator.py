@@ -18,6 +18,7 @@ from ..artifacts.manifest import FORMATS, read_manifest, require_format
 from ..errors import ArtifactError, GenerationError, as_int
 from .beam_search import BeamParams, beam_search_tokens
 from .loop import MAX_NEW_TOKENS, GenerationStats, SamplingParams, StepBackend, StreamCallback, generate_tokens
+from .speculative import Speculation
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def load_artifact(path: str | Path, backend: str | None = None, threads: int | N
 
 
 def _beam_params(
-    num_beams: Any, length_penalty: Any, early_stopping: Any, sampling: SamplingParams, stream: Any
+    num_beams: Any, length_penalty: Any, early_stopping: Any, sampling: SamplingParams, stream: Any, speculative: Any
 ) -> BeamParams | None:
     """The beam search a `generate` call asks for (None: one beam), checked before anything runs."""
     params = BeamParams(num_beams, length_penalty, early_stopping).checked()
@@ -100,6 +101,8 @@ def _beam_params(
             "beam search cannot stream: which beam wins is known only at the end; pass stream=None, "
             "or num_beams=1 to stream tokens as they come"
         )
+    if speculative is not None:
+        raise GenerationError("beam search does not speculate; pass num_beams=1 or speculative=None")
     return params
 
 
@@ -149,6 +152,15 @@ class Generator:
         self._lock = threading.Lock()
         self._running_in: int | None = None  # the thread whose `generate` holds the cache
 
+    def _refuse_reentry(self) -> None:
+        """A `stream` callback that calls `generate` would overwrite its caller's cache."""
+        if self._running_in == threading.get_ident():
+            raise GenerationError(
+                "generate was called again while this thread's generate is under way (from its stream "
+                "callback?); the Generator's one cache holds one generation at a time: collect the tokens in "
+                "the callback and call generate after it returns, or use a second Generator"
+            )
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -164,6 +176,7 @@ class Generator:
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         reuse_prefix: bool = False,
+        speculative: str | Speculation | None = None,
     ) -> list[list[int]]:
         """New token ids per prompt; timings of the call land in `self.last_stats`.
 
@@ -175,19 +188,17 @@ class Generator:
         with what the row holds (`self.held[r]`: the previous call's prompt and the tokens fed
         after it) and prefills only the rest, where that is exact (generation/prefix.py); a chat's
         next turn passes the whole conversation and pays for the new turn alone. The tokens are
-        those of a whole prefill; `last_stats.kept` says how many each row kept."""
-        if self._running_in == threading.get_ident():
-            raise GenerationError(
-                "generate was called again while this thread's generate is under way (from its stream "
-                "callback?); the Generator's one cache holds one generation at a time: collect the tokens in "
-                "the callback and call generate after it returns, or use a second Generator"
-            )
+        those of a whole prefill; `last_stats.kept` says how many each row kept.
+
+        `speculative` "ngram[:K]" (greedy): a decode step may verify up to K tokens drafted from the
+        row's own (generation/speculative.py); `last_stats` counts verify steps and accepted drafts."""
+        self._refuse_reentry()
         sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed)
         with self._lock:
             self._running_in = threading.get_ident()
             try:
                 stats = GenerationStats()
-                beams = _beam_params(num_beams, length_penalty, early_stopping, sampling, stream)
+                beams = _beam_params(num_beams, length_penalty, early_stopping, sampling, stream, speculative)
                 if not isinstance(reuse_prefix, bool):
                     raise GenerationError(f"reuse_prefix is {reuse_prefix!r}; it must be True or False")
                 if beams is None:
@@ -201,6 +212,7 @@ class Generator:
                         stats,
                         self.held,
                         reuse_prefix,
+                        speculative,
                     )
                 else:
                     self.held[:] = [[] for _ in self.held]  # beams reorder and overwrite rows

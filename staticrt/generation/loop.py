@@ -17,8 +17,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
+from .buckets import bucket_for
 from .prefix import Layouts, kept_prefix
 from .request import check_bucket, validate_request
+from .speculative import Speculation, Speculator, speculator_for
 
 StreamCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
 MAX_NEW_TOKENS = 32  # what a generation asks for when nobody says (the Python API and `staticrt run`)
@@ -103,40 +105,28 @@ class GenerationStats:
     decode_s: list[float] = field(default_factory=list)
     bucket: int = 0
     kept: list[int] = field(default_factory=list)  # prompt tokens each row kept in its cache (not prefilled)
+    decode_tokens: float = 0.0  # tokens a row took from the steps after prefill (a mean over rows)
+    verify_steps: int = 0  # of the decode steps, those that checked drafted tokens (speculative.py)
+    drafted: int = 0  # draft tokens fed, over rows
+    accepted: int = 0  # of them, those the model chose too
 
     @property
     def decode_ms_per_token(self) -> float | None:
-        """Median decode step in ms; None when the call decoded nothing (one new token: prefill only)."""
+        """Median decode step in ms, or with speculation the decode time over the tokens a row
+        took; None when the call decoded nothing (one new token: prefill only)."""
+        if self.verify_steps:
+            return 1000 * sum(self.decode_s) / self.decode_tokens
         return 1000 * float(np.median(self.decode_s)) if self.decode_s else None
+
+    @property
+    def acceptance(self) -> float | None:
+        """The share of draft tokens accepted; None without drafts."""
+        return self.accepted / self.drafted if self.drafted else None
 
 
 def per_row(value: Any, batch: int, dtype: Any) -> np.ndarray:
     """A sampling parameter as `[batch]` values: one number for every row, or already one a row."""
     return np.array(np.broadcast_to(np.asarray(value, dtype=dtype), (batch,)))  # a writable copy
-
-
-def default_buckets(max_cache_len: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to, and always including, `max_cache_len`."""
-    sizes, size = [], smallest
-    while size < max_cache_len:
-        sizes.append(size)
-        size *= 2
-    return tuple(sizes) + (max_cache_len,)
-
-
-def bucket_for(buckets: tuple[int, ...], length: int, exact: bool = False) -> int | None:
-    """The smallest bucket that holds `length` tokens; past the largest, the largest (a chunk of
-    a longer prompt), or None with `exact`."""
-    found = next((b for b in buckets if b >= length), None)
-    return found if exact or found is not None else buckets[-1]
-
-
-def chunk_end(buckets: tuple[int, ...], length: int) -> int:
-    """The last position a prompt of `length` tokens writes, padding included, chunk by chunk."""
-    largest, start = buckets[-1], 0
-    while length - start > largest:
-        start += largest
-    return start + bucket_for(buckets, length - start)
 
 
 def kept_prefixes(backend: StepBackend, rows: list[list[int]], held: list[list[int]]) -> list[int]:
@@ -153,10 +143,14 @@ def kept_prefixes(backend: StepBackend, rows: list[list[int]], held: list[list[i
 
 
 def _prefill_inputs(
-    backend: StepBackend, rows: list[list[int]], kept: list[int]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The first step's `input_ids [B, bucket]`, `write_index [B]` and `num_new [B]`: each row's
-    prompt after what it keeps, right-padded; rows beyond the request prefill one dummy token at 0."""
+    backend: StepBackend, rows: list[list[int]], held: list[list[int]], reuse: bool
+) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+    """The prompt tokens each row keeps (with `reuse`), and the first step's `input_ids [B, bucket]`,
+    `write_index [B]` and `num_new [B]`: each row's prompt after what it keeps, right-padded; rows
+    beyond the request prefill one dummy token at 0. Checked before the cache is touched."""
+    kept = kept_prefixes(backend, rows, held) if reuse else [0] * len(rows)
+    for r, (ids, k) in enumerate(zip(rows, kept, strict=True)):
+        check_bucket(backend, r, len(ids) - k, k)
     batch, n_rows = backend.batch_size, len(rows)
     write_index = np.zeros(batch, dtype=np.int64)
     write_index[:n_rows] = kept
@@ -165,15 +159,15 @@ def _prefill_inputs(
     input_ids = np.zeros((batch, bucket_for(backend.buckets, int(lengths.max()))), dtype=np.int64)
     for r, ids in enumerate(rows):
         input_ids[r, : lengths[r]] = ids[kept[r] :]
-    return input_ids, write_index, lengths
+    return kept, input_ids, write_index, lengths
 
 
-def _tracked_step(backend: StepBackend, held: list[list[int]], n_rows: int, *inputs: Any) -> np.ndarray:
-    """`backend.step(*inputs)`, and what the request's rows hold after it; on a failure nothing,
-    where a rotating layer may have overwritten slots of held positions (linear layers write only
-    past them)."""
+def _tracked(backend: StepBackend, held: list[list[int]], n_rows: int, run: Callable[..., Any], *inputs: Any) -> Any:
+    """`run(*inputs)` (a step of `backend`: ids, write_index, num_new, ...), and what the request's
+    rows hold after it; on a failure nothing, where a rotating layer may have overwritten slots of
+    held positions (linear layers write only past them)."""
     try:
-        next_ids = backend.step(*inputs)
+        next_ids = run(*inputs)
     except BaseException:
         if backend.rotating_layouts:
             held[:] = [[] for _ in held]
@@ -194,22 +188,22 @@ def generate_tokens(
     stats: GenerationStats | None = None,
     held: list[list[int]] | None = None,
     reuse: bool = False,
+    speculative: Speculation | None = None,
 ) -> list[list[int]]:
     """Prefill every row in one bucket, then decode one token a step until each row has
     `max_new_tokens` or has emitted a stop token (kept in its output, as transformers does).
 
     `held [B]`: the ids each row's cache holds, kept true step by step (the Generator owns it).
     With `reuse`, a row keeps the prefix of its prompt that it already holds, where that is exact
-    (prefix.py), and prefills only the rest: the tokens are a whole prefill's."""
+    (prefix.py), and prefills only the rest: the tokens are a whole prefill's. With `speculative`,
+    greedy decode steps verify tokens drafted from each row's own (speculative.py)."""
     request = validate_request(backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, chunked=reuse)
     rows, max_new_tokens, sampling, stops = request.rows, request.max_new_tokens, request.sampling, request.stops
     stats = stats if stats is not None else GenerationStats()
     batch, n_rows = backend.batch_size, len(rows)
     held = held if held is not None else [[] for _ in range(batch)]
-    kept = kept_prefixes(backend, rows, held) if reuse else [0] * n_rows
-    for r, (ids, k) in enumerate(zip(rows, kept, strict=True)):
-        check_bucket(backend, r, len(ids) - k, k)  # before the cache is touched
-    input_ids, write_index, lengths = _prefill_inputs(backend, rows, kept)
+    speculator = speculator_for(backend, speculative, sampling.do_sample, held, n_rows)
+    kept, input_ids, write_index, lengths = _prefill_inputs(backend, rows, held, reuse)
     # Row r draws from its own generator, seeded seed + r: a prompt's tokens do not depend on the
     # batch size or on its neighbours, and a server's request with seed s samples row 0's tokens.
     rngs = [np.random.default_rng(None if sampling.seed is None else sampling.seed + r) for r in range(batch)]
@@ -218,11 +212,12 @@ def generate_tokens(
         uniforms = (
             np.array([g.random(dtype=np.float32) for g in rngs], dtype=np.float32) if sampling.do_sample else None
         )
-        return _tracked_step(backend, held, n_rows, ids, write_index, num_new, sampling, uniforms)
+        return _tracked(backend, held, n_rows, backend.step, ids, write_index, num_new, sampling, uniforms)
 
     continuing, bucket = any(kept), input_ids.shape[1]
     widths = (bucket, 1) if max_new_tokens > 1 else (bucket,)
     stats.compile_s = backend.prepare(widths, sampling.do_sample, continuing=continuing, fresh=not continuing)
+    stats.compile_s += speculator.prepare() if speculator and max_new_tokens > 1 else 0.0
     if not continuing:
         backend.reset()
     held[:] = [ids[:k] for ids, k in zip(rows, kept, strict=True)] + [[] for _ in range(batch - n_rows)]
@@ -240,6 +235,8 @@ def generate_tokens(
         stream,
         write_index,
         stats,
+        speculator,
+        lambda ids, num_new: _tracked(backend, held, n_rows, backend.verify_step, ids, write_index, num_new),
     )
 
 
@@ -252,24 +249,43 @@ def _decode(
     stream: StreamCallback | None,
     write_index: np.ndarray,
     stats: GenerationStats,
+    speculator: Speculator | None = None,
+    verify: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> list[list[int]]:
-    """From the prefill's tokens `next_ids [B]`, one token a step until each of the request's rows
-    has `max_new_tokens` or a stop token; `write_index [B]` advances with the steps."""
+    """From the prefill's tokens `next_ids [B]`, a step at a time until each of the request's rows
+    has `max_new_tokens` or a stop token; `write_index [B]` advances with the steps. A step is a
+    decode step (one token a row), or with a `speculator` a verify step through `verify` where
+    rows drafted tokens (speculative.py)."""
     out: list[list[int]] = [[] for _ in range(n_rows)]
     done = [False] * n_rows
-    for n in range(max_new_tokens):
+    emitted = [[int(t)] for t in next_ids[:n_rows]]
+    while True:
         for r in range(n_rows):
-            if done[r]:
-                continue
-            token = int(next_ids[r])
-            out[r].append(token)
-            if stream is not None:
-                stream(r, token)
-            done[r] = token in stops
-        if all(done) or n == max_new_tokens - 1:
+            for token in emitted[r]:
+                if done[r]:
+                    break
+                out[r].append(token)
+                if stream is not None:
+                    stream(r, token)
+                done[r] = token in stops or len(out[r]) == max_new_tokens
+        if all(done):
             break
         start = time.perf_counter()
-        next_ids = step(next_ids.reshape(len(next_ids), 1))
+        drafts = speculator.drafts(next_ids, write_index, done) if speculator else None
+        if drafts is None:
+            next_ids = step(next_ids.reshape(len(next_ids), 1))
+            write_index += 1
+            emitted = [[int(t)] for t in next_ids[:n_rows]]
+        else:
+            next_ids, emitted = speculator.verify(drafts, next_ids, write_index, verify)
+            stats.verify_steps += 1
+            stats.drafted += sum(len(d) for d in drafts)
+            stats.accepted += sum(len(e) - 1 for e, d in zip(emitted, done, strict=True) if not d)
         stats.decode_s.append(time.perf_counter() - start)
-        write_index += 1
+        if speculator:
+            taken = None if drafts is None else [len(e) for e, d in zip(emitted, done, strict=True) if not d]
+            speculator.timed(stats.decode_s[-1], taken)
+    if speculator:
+        speculator.finish()
+    stats.decode_tokens = (sum(len(o) for o in out) - n_rows) / n_rows
     return out

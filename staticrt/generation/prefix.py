@@ -57,10 +57,18 @@ def kept_prefix(held: Sequence[int], prompt: Sequence[int], rotating: Layouts) -
     one prompt token to prefill (its logits choose the first new token), or 0 where a rotating
     layer cannot continue from there exactly (the module docstring)."""
     kept = min(common_prefix(held, prompt), len(prompt) - 1)
-    if kept <= 0:
-        return 0
-    over = len(held)
-    for slots, window in rotating:
-        if not (over < slots or (window is not None and over - kept <= slots - window)):
-            return 0
-    return kept
+    return kept if kept > 0 and continues(len(held), kept, rotating) else 0
+
+
+def continues(over: int, position: int, rotating: Layouts) -> bool:
+    """Whether a row whose rotating layers were written up to position `over` continues exactly
+    from `position` <= `over` (the module docstring's rule)."""
+    return all(over < slots or (window is not None and over - position <= slots - window) for slots, window in rotating)
+
+
+def draft_room(position: int, k: int, rotating: Layouts) -> int:
+    """Drafted tokens (at most `k`) a row may feed after its next token at `position` in one
+    verify step (speculative.py), so that it continues exactly after any rejection: writing
+    `position + d`, the row may resume from `position + 1`. Linear layers allow any d; a buffer
+    of `window` slots, once wrapped, allows 1 (its first draft only), one of `window + j`, j + 1."""
+    return next((d for d in range(k, 0, -1) if continues(position + d, position + 1, rotating)), 0)

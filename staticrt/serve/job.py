@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import GenerationError
-from ..generation.loop import SamplingParams, chunk_end
+from ..generation.buckets import chunk_end
+from ..generation.loop import SamplingParams
 from ..generation.request import validate_request
 from ..text.stop_strings import StopStrings
 

@@ -5,7 +5,8 @@ while the decoding rows sit out with their padding past their length. Imports no
 
 from __future__ import annotations
 
-from ..generation.loop import StepBackend, bucket_for
+from ..generation.buckets import bucket_for
+from ..generation.loop import StepBackend
 from .job import Job, Plan
 from .rows import RowMemory
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ..generation.loop import StepBackend, chunk_end
+from ..generation.buckets import chunk_end
+from ..generation.loop import StepBackend
 from ..generation.prefix import kept_prefix
 
 

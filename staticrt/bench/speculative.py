@@ -1,0 +1,161 @@
+"""`staticrt bench --speculative ngram[:K]`: decode speed with and without speculation, side by side.
+
+The prompts ship here: copy-heavy tasks (a paragraph to rewrite, code to edit, text to repeat),
+where prompt lookup drafts well, and open-ended chat, where it drafts badly and the speculator
+must step aside. Each prompt runs greedily without and with speculation in alternating rounds in
+one process (the tokens must agree), and transformers' `generate` on the same weights without and
+with its `prompt_lookup_num_tokens` in the same run. Decode speed is decode tokens over decode
+time: the first token (prefill) and compiling are left out of both.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import GenerationError
+
+PARAGRAPH = (
+    "The old lighthouse stands at the end of a narrow stone pier. For more than a century its keepers climbed "
+    "the hundred and twelve steps every evening to light the lamp, and ships passing the reef at night steered "
+    "by its beam. Today the light is automatic, and the keeper's cottage has become a small museum where "
+    "visitors can see the logbooks, the brass instruments and a photograph of the last keeper and his dog."
+)
+CODE = """def total_price(items, tax_rate):
+    total = 0
+    for item in items:
+        if item.quantity > 0:
+            total = total + item.price * item.quantity
+    total = total + total * tax_rate
+    return round(total, 2)
+"""
+TASKS = {
+    "copy": (
+        f"Rewrite this paragraph in the past tense, changing nothing else:\n\n{PARAGRAPH}",
+        f"Rename the function total_price to order_total and return the whole code:\n\n{CODE}",
+        f"Repeat this paragraph word for word:\n\n{PARAGRAPH}",
+    ),
+    "open": (
+        "Write a short poem about the sea.",
+        "Give me three tips for sleeping better.",
+        "Tell me a story about a fox who learns to swim.",
+    ),
+}
+
+
+def _decode_rate(tokens: float, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 and tokens > 0 else None
+
+
+def _staticrt(gen: Any, prompt: list[int], new_tokens: int, speculative: str | None) -> tuple[list[int], float, Any]:
+    tokens = gen.generate([prompt], new_tokens, stop_token_ids=gen.backend.eos_token_ids, speculative=speculative)
+    stats = gen.last_stats
+    return tokens[0], _decode_rate(stats.decode_tokens, sum(stats.decode_s)), stats
+
+
+def _transformers(hf: Any, prompt: list[int], new_tokens: int, lookup: int | None) -> tuple[list[int], float | None]:
+    """transformers' eager `generate` (its default dynamic cache, which prompt lookup needs),
+    decode tokens over the time from the first token to the last."""
+    from .hf import TokenClock
+
+    ids = torch.tensor([prompt])
+    clock = TokenClock()
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            streamer=clock,
+            pad_token_id=0,
+            **({"prompt_lookup_num_tokens": lookup} if lookup else {}),
+        )
+    end = time.perf_counter()
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens, _decode_rate(len(tokens) - 1, end - clock.stamps[1]) if len(clock.stamps) > 1 else None
+
+
+def _rounds(
+    gen: Any, hf: Any, prompt: list[int], spec: Any, new_tokens: int, repeats: int, label: str, on_stage: Any
+) -> dict[str, Any]:
+    """One prompt: a warm-up, then `repeats` rounds of each way in turn; median decode tokens/s."""
+    on_stage(f"{label}: warming up (compiling the graphs it needs)")
+    plain = _staticrt(gen, prompt, new_tokens, None)[0]
+    rates: dict[str, list[float]] = {"plain": [], "speculative": [], "hf": [], "hf_lookup": []}
+    for round_ in range(repeats):
+        on_stage(f"{label}: round {round_ + 1} of {repeats}")
+        tokens, rate_off, _ = _staticrt(gen, prompt, new_tokens, None)
+        spec_tokens, rate_on, stats = _staticrt(gen, prompt, new_tokens, spec)
+        if spec_tokens != plain or tokens != plain:
+            raise GenerationError(f"{label}: speculation changed the greedy tokens")
+        rates["plain"].append(rate_off)
+        rates["speculative"].append(rate_on)
+        if hf is not None:
+            hf_tokens, rate = _transformers(hf, prompt, new_tokens, None)
+            lookup_tokens, lookup_rate = _transformers(hf, prompt, new_tokens, spec.k)
+            rates["hf"].append(rate)
+            rates["hf_lookup"].append(lookup_rate)
+    row: dict[str, Any] = {"new_tokens": len(plain)}
+    row |= {f"{name}_tok_s": statistics.median(r) if r else None for name, r in rates.items()}
+    row |= {"verify_steps": stats.verify_steps, "decode_steps": len(stats.decode_s)}
+    row |= {"drafted": stats.drafted, "accepted": stats.accepted}
+    if hf is not None:
+        row["hf_tokens_agree"] = hf_tokens == plain and lookup_tokens == hf_tokens
+    row["speedup"] = row["speculative_tok_s"] / row["plain_tok_s"]
+    return row
+
+
+def speculative_bench(
+    model_path: str,
+    speculative: str,
+    backend: str = "compiled",
+    threads: int | None = None,
+    new_tokens: int = 128,
+    repeats: int = 3,
+    with_hf: bool = True,
+    on_stage: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """The report: per prompt and per task kind, decode tokens/s without and with speculation
+    (medians over `repeats` rounds), their ratio, the drafts' acceptance, and transformers'."""
+    import staticrt
+
+    from ..generation.speculative import Speculation
+    from .hf import hf_model_like
+    from .machine import machine
+
+    spec = Speculation.parse(speculative)
+    if threads:
+        torch.set_num_threads(threads)
+    model = staticrt.load_model(model_path)
+    if model.tokenizer is None:
+        raise GenerationError(f"{model_path} has no tokenizer.json; the speculative bench sends chat prompts")
+    prompts = {
+        kind: [model.tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts]
+        for kind, texts in TASKS.items()
+    }
+    longest = max(len(p) for ps in prompts.values() for p in ps)
+    gen = staticrt.Generator(model, max_cache_len=256 * -(-(longest + new_tokens) // 256), backend=backend)
+    hf = hf_model_like(model) if with_hf else None
+    rows = []
+    for kind, kind_prompts in prompts.items():
+        for i, prompt in enumerate(kind_prompts):
+            label = f"{kind} prompt {i + 1}"
+            rows.append(
+                {"kind": kind, "prompt": TASKS[kind][i][:60]}
+                | _rounds(gen, hf, prompt, spec, new_tokens, repeats, label, on_stage)
+            )
+    summary = {}
+    for kind in TASKS:
+        mine = [r for r in rows if r["kind"] == kind]
+        summary[kind] = {"speedup_geomean": statistics.geometric_mean([r["speedup"] for r in mine])}
+        if hf is not None:
+            summary[kind]["hf_lookup_speedup_geomean"] = statistics.geometric_mean(
+                [r["hf_lookup_tok_s"] / r["hf_tok_s"] for r in mine]
+            )
+    settings = {"model": model_path, "speculative": speculative, "backend": backend, "threads": threads}
+    settings |= {"new_tokens": new_tokens, "repeats": repeats, "k": spec.k}
+    return {"settings": settings, "machine": machine(), "prompts": rows, "summary": summary}

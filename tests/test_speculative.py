@@ -1,0 +1,170 @@
+"""Speculative decoding: drafted tokens checked in one verify step give plain greedy decoding's tokens.
+
+Against transformers' greedy tokens on all four families and the static, sliding (the rows wrap
+their window) and hybrid caches, eager and compiled (no recompile); on prompts whose drafts are
+all accepted and all rejected; on the real SmolLM2 copying a paragraph, where most drafts hold.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hf_models import hf_greedy
+
+import staticrt
+from staticrt.cli.main import main
+from staticrt.errors import GenerationError
+from staticrt.generation.prefix import draft_room
+from staticrt.generation.speculative import Speculation, Speculator, ngram_draft
+
+# checkpoint -> (cache kind, max_cache_len): the sliding and hybrid layers hold a window of 16
+CASES = {
+    "llama": ("static", 128),
+    "mistral": ("static", 128),
+    "qwen2": ("static", 128),
+    "gemma2": ("hybrid", 128),
+    "mistral-sw16": ("sliding", 128),
+}
+NEW_TOKENS = 40
+
+
+def prompt(seed: int = 1) -> list[int]:
+    """Eight random tokens, twice over with a change: the second copy drafts from the first."""
+    head = torch.randint(1, 256, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return head + [7, 7] + head[:5]
+
+
+def generator(hf_checkpoints, name: str, backend: str = "eager", **options) -> staticrt.Generator:
+    cache, max_cache_len = CASES[name]
+    model = staticrt.load_model(hf_checkpoints[name][0])
+    return staticrt.Generator(model, cache=cache, max_cache_len=max_cache_len, backend=backend, **options)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_speculation_gives_transformers_greedy_tokens(hf_checkpoints, name):
+    gen = generator(hf_checkpoints, name)
+    want = hf_greedy(hf_checkpoints[name][1], prompt(), NEW_TOKENS)
+    assert gen.generate([prompt()], NEW_TOKENS, speculative="ngram:4")[0] == want
+    assert gen.last_stats.verify_steps > 0 and gen.last_stats.drafted > 0  # it did verify drafts
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral-sw16"])
+def test_compiled_speculation_runs_one_verify_graph_without_recompiling(hf_checkpoints, name):
+    gen = generator(hf_checkpoints, name, "compiled", prefill_buckets=(16,))
+    want = hf_greedy(hf_checkpoints[name][1], prompt(), NEW_TOKENS)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert gen.generate([prompt()], NEW_TOKENS, speculative="ngram:3")[0] == want
+        assert gen.last_stats.verify_steps > 0
+        again = gen.generate([prompt(2)], NEW_TOKENS, speculative="ngram:3")[0]
+    assert again == hf_greedy(hf_checkpoints[name][1], prompt(2), NEW_TOKENS)
+    assert set(gen.backend._graphs) == {(16, "pick", True), (1, "pick", False), (4, "verify", False)}
+
+
+def test_a_rows_tokens_do_not_depend_on_its_neighbours_drafts(hf_checkpoints):
+    gen = generator(hf_checkpoints, "llama", max_batch_size=3)
+    prompts = [prompt(1), prompt(2)[:9], prompt(3)]
+    alone = [gen.generate([p], 20)[0] for p in prompts]
+    assert gen.generate(prompts, 20, speculative="ngram") == alone
+
+
+def test_a_text_that_repeats_itself_drafts_tokens_that_are_all_accepted(hf_checkpoints):
+    """With a window of 16 and two layers, a token sees the 31 before it: after a 40-token passage
+    X that came before with the answer A, the model answers A again, which the drafts copy."""
+    gen = staticrt.Generator(staticrt.load_model(hf_checkpoints["mistral-sw16"][0]), max_cache_len=160)
+    passage = torch.randint(1, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    answer = gen.generate([passage], 40)[0]
+    text = passage + answer + passage
+    out = gen.generate([text], 24, speculative="ngram:4")[0]
+    stats = gen.last_stats
+    assert out == answer[:24] == hf_greedy(hf_checkpoints["mistral-sw16"][1], text, 24)
+    assert stats.drafted == stats.accepted > 0 and stats.decode_tokens == 23
+    assert len(stats.decode_s) == 1 + 5  # the one timed decode step, then 5 tokens a verify step
+
+
+def test_drafts_the_model_never_chooses_leave_the_tokens_and_the_held_ids_exact(hf_checkpoints):
+    gen = generator(hf_checkpoints, "mistral")
+    text = prompt(4) + prompt(4)
+    out = gen.generate([text], 24, speculative="ngram:4", reuse_prefix=True)[0]
+    stats = gen.last_stats
+    assert out == hf_greedy(hf_checkpoints["mistral"][1], text, 24)
+    assert stats.verify_steps > 0 and stats.accepted == 0
+    # held: what the row's cache holds, as fed; -1 marks positions a rejected draft wrote last
+    valid = text + out[:-1]
+    assert gen.held[0][: len(valid)] == valid and set(gen.held[0][len(valid) :]) <= {-1}
+
+
+def test_prompt_lookup_takes_what_followed_the_latest_match_of_the_longest_suffix():
+    tokens = np.array([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 2, 3])
+    assert ngram_draft(tokens, 3, 3).tolist() == [4, 5, 6]  # "2 3" last followed by 4 5 6
+    assert ngram_draft(tokens, 3, 1).tolist() == [4, 5, 6]
+    assert ngram_draft(np.array([5, 6, 7]), 3, 3).tolist() == []
+    assert ngram_draft(np.array([8, 8]), 3, 3).tolist() == [8]
+
+
+def test_a_rotating_row_drafts_only_what_it_can_take_back():
+    window16 = ((16, 16),)  # a sliding layer of 16 slots, window 16
+    assert draft_room(3, 4, window16) == 4  # far from wrapping: any draft
+    assert draft_room(12, 4, window16) == 3  # position 15 is the last before it wraps
+    assert draft_room(40, 4, window16) == 1  # wrapped: only the first draft can be overwritten exactly
+    assert draft_room(40, 4, ((18, 16),)) == 3  # two spare slots: three
+    assert draft_room(40, 4, ((16, None),)) == 0  # a sink layer sees every slot: nothing once wrapped
+    assert draft_room(40, 4, ()) == 4
+
+
+def test_drafting_pauses_where_it_does_not_pay_and_tries_again():
+    spec = Speculator(Speculation(k=4), None, [[]], 1)
+    spec.timed(0.010, None)  # a decode step: 10 ms a token
+    spec.timed(0.015, [1])
+    spec.timed(0.015, [1])  # verify steps yielding one token each: 15 ms a token
+    assert spec.wait == spec.pause == 4
+    spec.timed(0.015, [4])
+    spec.timed(0.015, [4])  # 3.75 ms a token: drafting pays again
+    assert spec.pause == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"speculative": "ngram:0"},
+            "speculative k is 0; it must lie in [1, 32] (a verify step is k + 1 wide)",
+        ),
+        (
+            {"speculative": "draft"},
+            "speculative is 'draft'; give 'ngram' or 'ngram:K' (prompt lookup, K drafted tokens a step, default 4)",
+        ),
+        (
+            {"speculative": "ngram", "do_sample": True},
+            "speculative decoding is greedy only for now (drafts are checked against the argmax); pass "
+            "do_sample=False, or speculative=None to sample",
+        ),
+        (
+            {"speculative": "ngram", "num_beams": 2},
+            "beam search does not speculate; pass num_beams=1 or speculative=None",
+        ),
+    ],
+)
+def test_a_speculation_it_cannot_run_is_refused_by_name(hf_checkpoints, options, message):
+    gen = generator(hf_checkpoints, "llama", max_batch_size=2)
+    with pytest.raises(GenerationError) as err:
+        gen.generate([prompt()], 4, **options)
+    assert str(err.value) == message
+
+
+def test_run_speculates_on_the_real_model_copying_a_paragraph(smollm2, hf_smollm2, capsys):
+    """SmolLM2 asked to repeat a paragraph: most drafts hold, and the tokens are transformers'."""
+    paragraph = (
+        "The river rises in the northern hills, runs south through three market towns and meets the sea at a "
+        "wide estuary where herons feed at low tide."
+    )
+    question = f"Repeat this sentence exactly: {paragraph}"
+    model = staticrt.load_model(smollm2)
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    args = ["run", "--model", str(smollm2), "--chat", question, "--max-new-tokens", "40"]
+    assert main([*args, "--speculative", "ngram:4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"][0] == hf_greedy(hf_smollm2[0], ids, 40, eos_token_id=list(model.config.eos_token_ids))
+    assert out["accepted"] > out["drafted"] / 2 and out["tokens_per_step"] > 2
