@@ -201,15 +201,16 @@ def test_bench_serve_sends_the_same_requests_to_every_contender():
 def test_bench_serve_chat_conversations_keep_their_prefix_only_with_reuse():
     """The chat workload: 3 clients, 3 turns each after a shared system prompt, on 2 rows. With
     prefix reuse the server reports kept prompt tokens (the system prompt at least, every turn
-    after the first); without, none; both produce every token asked for."""
+    after the first); without, none; with --speculative too; all produce every token asked for."""
     from staticrt.bench.serve_chat import run_chat_bench
 
-    chat = dict(workload="chat", turns=3, system_len=20)
+    chat = dict(workload="chat", turns=3, system_len=20, speculative="ngram:2")
     report = run_chat_bench(_tiny_serve_bench(prompt_range=(4, 8), output_range=(4, 6), **chat))
     results = report["results"]
-    assert set(results) == {"staticrt", "staticrt_no_reuse"}  # a preset has no GGUF for llama.cpp
+    assert set(results) == {"staticrt", "staticrt_no_reuse", "staticrt_speculative"}  # a preset has no GGUF
     assert all((r["requests"], r["failed"]) == (9, 0) for r in results.values())
-    assert results["staticrt"]["output_tokens"] == results["staticrt_no_reuse"]["output_tokens"]
+    assert len({r["output_tokens"] for r in results.values()}) == 1
+    assert set(report["speculative_ratios"]) == {"throughput_speculative_over_plain", "tpot_p50_plain_over_speculative"}
     assert (
         results["staticrt"]["cached_prompt_tokens"] >= 6 * 20
         and results["staticrt_no_reuse"]["cached_prompt_tokens"] == 0

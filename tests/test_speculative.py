@@ -18,7 +18,7 @@ import staticrt
 from staticrt.cli.main import main
 from staticrt.errors import GenerationError
 from staticrt.generation.prefix import draft_room
-from staticrt.generation.speculative import Speculation, Speculator, ngram_draft
+from staticrt.generation.speculative import DraftPolicy, ngram_draft
 
 # checkpoint -> (cache kind, max_cache_len): the sliding and hybrid layers hold a window of 16
 CASES = {
@@ -115,14 +115,14 @@ def test_a_rotating_row_drafts_only_what_it_can_take_back():
 
 
 def test_drafting_pauses_where_it_does_not_pay_and_tries_again():
-    spec = Speculator(Speculation(k=4), None, [[]], 1)
-    spec.timed(0.010, None)  # a decode step: 10 ms a token
-    spec.timed(0.015, [1])
-    spec.timed(0.015, [1])  # verify steps yielding one token each: 15 ms a token
-    assert spec.wait == spec.pause == 4
-    spec.timed(0.015, [4])
-    spec.timed(0.015, [4])  # 3.75 ms a token: drafting pays again
-    assert spec.pause == 0
+    policy = DraftPolicy()
+    policy.timed(0.010, None)  # a decode step: 10 ms a token
+    policy.timed(0.015, [1])
+    policy.timed(0.015, [1])  # verify steps yielding one token each: 15 ms a token
+    assert policy.wait == policy.pause == 4
+    policy.timed(0.015, [4])
+    policy.timed(0.015, [4])  # 3.75 ms a token: drafting pays again
+    assert policy.pause == 0
 
 
 @pytest.mark.parametrize(
@@ -168,3 +168,89 @@ def test_run_speculates_on_the_real_model_copying_a_paragraph(smollm2, hf_smollm
     out = json.loads(capsys.readouterr().out)
     assert out["tokens"][0] == hf_greedy(hf_smollm2[0], ids, 40, eos_token_id=list(model.config.eos_token_ids))
     assert out["accepted"] > out["drafted"] / 2 and out["tokens_per_step"] > 2
+
+
+def test_a_server_speculates_in_its_rows_beside_sampled_rows_and_stops_inside_a_verify_step(hf_checkpoints):
+    """Three rows on the window-16 model (rows wrap): two greedy requests whose drafts are verified
+    side by side get transformers' tokens; a sampled one beside them (its row never verifies) gets
+    the tokens it gets from the server without speculation. Then a text that repeats a passage (as
+    in the test above, every draft accepted; one a step, since the row has wrapped its 16 slots)
+    with a stop id at the answer's 13th token, the first of a verify step's two: the answer ends
+    there, and the step's other token reaches neither the finished request nor the token count."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    import concurrent.futures
+
+    import httpx
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    model = staticrt.load_model(hf_checkpoints["mistral-sw16"][0])
+    build = lambda rows: staticrt.Generator(model, cache="sliding", max_batch_size=rows, max_cache_len=160)  # noqa: E731
+    wants = [hf_greedy(hf_checkpoints["mistral-sw16"][1], prompt(s), NEW_TOKENS) for s in (1, 3)]
+    passage = torch.randint(1, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    answer = build(1).generate([passage], 40)[0]
+    stop = answer[12]  # steps give tokens 0 (prefill), 1 (decode), then 2-3, 4-5, ... (verify)
+    assert stop not in answer[:12]
+    asks = [(prompt(1), 0.0, []), (prompt(3), 0.0, []), (prompt(2), 1.0, []), (passage + answer + passage, 0.0, [stop])]
+
+    def served(speculative: str | None) -> tuple[list[tuple[list[int], str]], str]:
+        app, _ = serve_backend(build(3).backend, name="tiny", prefiller=build(1).backend, speculative=speculative)
+        with running(app) as url:
+            api = client(url)
+
+            def ask(args: tuple[list[int], float, list[int]]) -> tuple[list[int], str]:
+                ids, temperature, stops = args
+                reply = api.completions.create(
+                    model="tiny",
+                    prompt=ids,
+                    max_tokens=NEW_TOKENS,
+                    temperature=temperature,
+                    seed=7,
+                    extra_body={"stop_token_ids": stops},
+                )
+                return reply.choices[0].model_extra["token_ids"], reply.choices[0].finish_reason
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(ask, asks[:3]))
+            got.append(ask(asks[3]))
+            return got, httpx.get(f"{url}/metrics").text
+
+    (first, second, sampled, stopped), metrics = served("ngram:4")
+    assert [first[0], second[0]] == wants
+    assert stopped == (answer[:13], "stop")
+    assert sampled == served(None)[0][2]
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line[:1] != "#"}
+    assert counts["staticrt_draft_tokens_total"] > 0
+    # no token past the stop reached the finished request, nor counted as generated
+    answers = (first, second, sampled, stopped)
+    assert counts["staticrt_generated_tokens_total"] == sum(len(tokens) for tokens, _ in answers)
+    assert counts['staticrt_requests_finished_total{outcome="stop"}'] == 1
+
+
+def test_a_server_row_counts_what_rejected_drafts_and_an_earlier_request_left_in_its_slots():
+    """A rotating layer of 16 slots (window 16): a row that holds 21 ids keeps them for a prompt
+    that continues them after one rejected draft (written at position 21, where the prompt goes
+    on), not after two (the second wrote position 23, a slot the prompt's window reads). A row cut back to
+    10 ids by a new request keeps nothing while the old request's entries lie in its slots, and
+    keeps its own again once it has written every slot since."""
+    from types import SimpleNamespace
+
+    from staticrt.serve.rows import RowMemory
+
+    backend = SimpleNamespace(
+        batch_size=1, row_positions=True, rotating_layouts=((16, 16),), max_sequence_len=None, buckets=(16,)
+    )
+    memory = RowMemory(backend, reuse=True)
+    ids = list(range(1, 21))
+    memory.fed(0, np.array(ids))
+    memory.fed(0, np.array([50]), rejected=1)
+    assert memory.kept(ids + [50, 51], 0) == 21
+    memory.fed(0, np.array([51]), rejected=2)  # drafts at 22 and 23 rejected
+    assert memory.kept(ids + [50, 51, 52], 0) == 0
+    memory.seat(0, 10, order=1)  # a new request keeps the first 10 and writes 3 of its own
+    memory.fed(0, np.array([60, 61, 62]))
+    assert memory.kept(ids[:10] + [60, 61, 62, 63], 0) == 0
+    memory.fed(0, np.arange(70, 83))  # 16 positions since it was seated: every slot its own
+    held = ids[:10] + [60, 61, 62, *range(70, 83)]
+    assert memory.kept(held + [99], 0) == len(held)

@@ -52,6 +52,7 @@ class ServeBenchRequest:
     workload: str = "random"  # or "chat": `concurrency` clients, each a conversation of `turns` turns
     turns: int = 4
     system_len: int = 200  # the chat workload's shared system prompt, in tokens
+    speculative: str | None = None  # also staticrt serve --speculative (the load's requests are greedy)
 
     @property
     def max_cache_len(self) -> int:
@@ -222,6 +223,10 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
         results: dict[str, Any] = {}
         on_stage(f"staticrt serve ({request.backend}; starting, compiling, then {len(load)} requests)")
         results["staticrt"] = measure_server(staticrt_command(folder, request), "bench", request, load)
+        if request.speculative:
+            on_stage(f"staticrt serve --speculative {request.speculative} ({len(load)} requests)")
+            command = [*staticrt_command(folder, request), "--speculative", request.speculative]
+            results["staticrt_speculative"] = measure_server(command, "bench", request, load)
         if request.transformers:
             on_stage(f"transformers serve --continuous-batching ({len(load)} requests)")
             try:
@@ -233,6 +238,25 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
         on_stage(f"one request at a time through Generator.generate ({len(load)} requests)")
         results["one_at_a_time"] = one_at_a_time(folder, request, load)
     rates = {k: v.get("output_tokens_per_s") for k, v in results.items()}
-    ratios = {f"staticrt_vs_{k}": rates["staticrt"] / rate for k, rate in rates.items() if k != "staticrt" and rate}
+    ratios = {
+        f"staticrt_vs_{k}": rates["staticrt"] / rate
+        for k, rate in rates.items()
+        if k not in ("staticrt", "staticrt_speculative") and rate
+    }
     settings = {**request.__dict__, "max_cache_len": request.max_cache_len}
-    return {"settings": settings, "machine": machine(), "results": results, "throughput_ratios": ratios}
+    report = {"settings": settings, "machine": machine(), "results": results, "throughput_ratios": ratios}
+    return {**report, **speculative_ratios(results)}
+
+
+def speculative_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """With a speculative run beside the plain one: its throughput and TPOT p50 against plain's."""
+    on, off = results.get("staticrt_speculative"), results["staticrt"]
+    if on is None:
+        return {}
+    tpot_on, tpot_off = on["tpot"]["p50_ms"], off["tpot"]["p50_ms"]
+    return {
+        "speculative_ratios": {
+            "throughput_speculative_over_plain": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+            "tpot_p50_plain_over_speculative": tpot_off / tpot_on if tpot_on and tpot_off else None,
+        }
+    }

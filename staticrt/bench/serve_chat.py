@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
-from .serve_bench import ServeBenchRequest, Stage, checkpoint_folder, measure_server, staticrt_command
+from .serve_bench import (
+    ServeBenchRequest,
+    Stage,
+    checkpoint_folder,
+    measure_server,
+    speculative_ratios,
+    staticrt_command,
+)
 from .serve_load import chat_workload
 
 
@@ -61,6 +68,8 @@ def _chat_bench(
         "staticrt": (command, "bench", "/health"),
         "staticrt_no_reuse": ([*command, "--no-prefix-reuse"], "bench", "/health"),
     }
+    if request.speculative:
+        contenders["staticrt_speculative"] = ([*command, "--speculative", request.speculative], "bench", "/health")
     if request.model.endswith(".gguf"):
         contenders["llama_cpp"] = (llamacpp_command(request.model, request), "bench", "/v1/models")
     results: dict[str, Any] = {}
@@ -83,4 +92,5 @@ def _chat_bench(
         else None,
     }
     settings = {**request.__dict__, "max_cache_len": request.max_cache_len}
-    return {"settings": settings, "machine": machine(), "results": results, "reuse_ratios": ratios}
+    report = {"settings": settings, "machine": machine(), "results": results, "reuse_ratios": ratios}
+    return {**report, **speculative_ratios(results)}

@@ -152,13 +152,18 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NE
         default=None,
         help="stop token ids, comma-separated (default: the checkpoint's eos ids)",
     )
+    add_speculative_arg(p, "the tokens are greedy decoding's")
+
+
+def add_speculative_arg(p: argparse.ArgumentParser, scope: str) -> None:
+    """--speculative of run, chat and serve; `scope` says whose tokens it leaves unchanged."""
     p.add_argument(
         "--speculative",
         default=None,
         metavar="ngram[:K]",
         help="greedy speculative decoding: a step verifies up to K tokens (default 4) drafted from the text so "
-        "far (prompt lookup), while drafting pays; the tokens are greedy decoding's. Fastest where the answer "
-        "copies its prompt (rewriting, editing code, summarising); a torch --model backend only",
+        f"far (prompt lookup), while drafting pays; {scope}. Fastest where the answer copies its prompt "
+        "(rewriting, editing code, summarising); a torch --model backend only",
     )
 
 

@@ -36,6 +36,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         workload=args.workload,
         turns=args.turns,
         system_len=args.system_len,
+        speculative=args.speculative,
     )
     with progress("bench-serve") as update:
         report = (run_chat_bench if request.workload == "chat" else run_serve_bench)(request, on_stage=update)
@@ -76,5 +77,5 @@ def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
             console.print(f"[red]{name}: {error}[/]", soft_wrap=True)
     for key, value in report.get("throughput_ratios", {}).items():
         console.print(f"throughput {key}: {value:.2f}x")
-    for key, value in report.get("reuse_ratios", {}).items():
+    for key, value in {**report.get("reuse_ratios", {}), **report.get("speculative_ratios", {})}.items():
         console.print(f"{key.replace('_', ' ')}: {value:.2f}x" if value is not None else f"{key}: -")

@@ -45,6 +45,7 @@ def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
         prefiller,
         args.stream_interval,
         not args.no_prefix_reuse,
+        args.speculative,
     )
 
 

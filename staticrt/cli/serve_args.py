@@ -6,7 +6,15 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .args import NON_NEGATIVE, POSITIVE, add_device_arg, add_format_arg, add_model_args, prompt_ids
+from .args import (
+    NON_NEGATIVE,
+    POSITIVE,
+    add_device_arg,
+    add_format_arg,
+    add_model_args,
+    add_speculative_arg,
+    prompt_ids,
+)
 
 
 def add_serve_parsers(sub: Any) -> None:
@@ -82,6 +90,7 @@ def _add_serving_policy(serve: Any) -> None:
         help="prefill every prompt whole; by default a request is seated in the free row holding the longest "
         "prefix of its prompt and prefills only the rest (llama.cpp's cache_prompt)",
     )
+    add_speculative_arg(serve, "greedy requests get greedy decoding's tokens, sampled ones decode a token a step")
     warmup = "build every graph the server needs into the compile cache and exit (once, in a deployment's image)"
     serve.add_argument("--warmup-only", action="store_true", help=warmup)
 
@@ -137,6 +146,13 @@ def _add_bench_serve_parser(sub: Any) -> None:
     bench.add_argument(
         "--no-transformers", action="store_true", help="skip transformers serve (skipped anyway when not installed)"
     )
+    _add_bench_workload(bench)
+    bench.add_argument("--json", type=Path, default=None, help="write the report here")
+    add_format_arg(bench)
+
+
+def _add_bench_workload(bench: Any) -> None:
+    """What bench-serve sends, and which staticrt servers it measures."""
     bench.add_argument(
         "--workload",
         choices=("random", "chat"),
@@ -149,5 +165,9 @@ def _add_bench_serve_parser(sub: Any) -> None:
     bench.add_argument(
         "--system-len", type=POSITIVE, default=200, help="with --workload chat: system prompt tokens (200)"
     )
-    bench.add_argument("--json", type=Path, default=None, help="write the report here")
-    add_format_arg(bench)
+    bench.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram[:K]",
+        help="also measure staticrt serve with --speculative (greedy requests), beside it without",
+    )

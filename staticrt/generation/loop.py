@@ -284,7 +284,7 @@ def _decode(
         stats.decode_s.append(time.perf_counter() - start)
         if speculator:
             taken = None if drafts is None else [len(e) for e, d in zip(emitted, done, strict=True) if not d]
-            speculator.timed(stats.decode_s[-1], taken)
+            speculator.policy.timed(stats.decode_s[-1], taken)
     if speculator:
         speculator.finish()
     stats.decode_tokens = (sum(len(o) for o in out) - n_rows) / n_rows

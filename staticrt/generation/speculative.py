@@ -75,67 +75,41 @@ def ngram_draft(tokens: np.ndarray, k: int, max_ngram: int) -> np.ndarray:
     return tokens[:0]
 
 
-class Speculator:
-    """Drafts and verifies for one generation's rows, and decides when that pays.
+def draft_for(context: np.ndarray, position: int, spec: Speculation, layouts: Any) -> np.ndarray:
+    """The draft of a row whose tokens are `context [N]` (its last one chosen, not yet fed, fed
+    next at `position`): up to `spec.k` tokens, as many as its rotating layers allow (`draft_room`)."""
+    room = draft_room(position, spec.k, layouts)
+    return ngram_draft(context, room, spec.max_ngram) if room else context[:0]
+
+
+def accepted(draft: np.ndarray, chosen: np.ndarray) -> int:
+    """How many of `draft [d]` the model chose too: `chosen [>= d]` is its token after each fed
+    position (the row's next token, then each draft), so draft i stands where chosen[i] equals it."""
+    mismatch = np.flatnonzero(draft != chosen[: len(draft)])
+    return int(mismatch[0]) if mismatch.size else len(draft)
+
+
+class DraftPolicy:
+    """When drafting pays, from the steps' measured times.
 
     A verify step costs more than a decode step (k + 1 positions through every GEMM), so it must
-    yield enough tokens. After each verify step the speculator compares the recent verify steps'
-    time a token yielded with the recent decode steps' time; where drafting loses it pauses for
-    a number of steps that doubles while it keeps losing (at most 64), then tries again. Open-ended
+    yield enough tokens. After each verify step the policy compares the recent verify steps' time
+    a token yielded with the recent decode steps' time; where drafting loses it pauses for a
+    number of steps that doubles while it keeps losing (at most 64), then tries again. Open-ended
     text that drafts badly then runs at about decode speed."""
 
-    def __init__(self, spec: Speculation, backend: Any, held: list[list[int]], n_rows: int) -> None:
-        self.spec, self.backend, self.held, self.n_rows = spec, backend, held, n_rows
+    def __init__(self) -> None:
         self.decode_s: collections.deque[float] = collections.deque(maxlen=8)
         self.verify_s: collections.deque[float] = collections.deque(maxlen=4)
         self.yields: collections.deque[float] = collections.deque(maxlen=4)  # mean tokens a row a verify step
         self.pause, self.wait = 0, 0
-        self.written = [0] * n_rows  # each row's last position written (rejected drafts included)
 
-    def prepare(self) -> float:
-        """Build the verify graph (`StepBackend.prepare`); the seconds it took."""
-        return self.backend.prepare((self.spec.k + 1,), False, continuing=True, fresh=False, verify=True)
-
-    def drafts(self, pending: np.ndarray, write_index: np.ndarray, done: list[bool]) -> list[np.ndarray] | None:
-        """Each of the request's rows' draft (empty for a finished row), or None: take a decode step
-        (nothing drafted, drafting paused, no decode step timed yet, or no room in the cache)."""
+    def ready(self) -> bool:
+        """Whether this step may verify drafts (counts a paused step down); never before a decode step was timed."""
         if self.wait > 0:
             self.wait -= 1
-            return None
-        limit, k = self.backend.max_sequence_len, self.spec.k
-        if not self.decode_s or (limit is not None and int(write_index.max()) + k + 1 > limit):
-            return None
-        layouts, found = self.backend.rotating_layouts, []
-        for r in range(self.n_rows):
-            room = 0 if done[r] else draft_room(int(write_index[r]), k, layouts)
-            context = np.array([*self.held[r], int(pending[r])], dtype=np.int64)
-            found.append(ngram_draft(context, room, self.spec.max_ngram) if room else context[:0])
-        return found if any(len(d) for d in found) else None
-
-    def verify(
-        self, drafts: list[np.ndarray], pending: np.ndarray, write_index: np.ndarray, run: Any
-    ) -> tuple[np.ndarray, list[list[int]]]:
-        """One verify step through `run(input_ids [B, k+1], num_new [B]) -> [B, k+1]`: the rows'
-        next tokens `[B]` and each request row's emitted tokens; advances `write_index` and `held`."""
-        batch, width = len(pending), self.spec.k + 1
-        input_ids = np.zeros((batch, width), dtype=np.int64)
-        input_ids[:, 0] = pending
-        num_new = np.ones(batch, dtype=np.int64)
-        for r, draft in enumerate(drafts):
-            input_ids[r, 1 : 1 + len(draft)] = draft
-            num_new[r] += len(draft)
-        chosen = run(input_ids, num_new)  # [B, k+1]: the model's token after each position
-        emitted, next_ids = [], chosen[:, 0].copy()
-        for r, draft in enumerate(drafts):
-            mismatch = np.flatnonzero(draft != chosen[r, : len(draft)])
-            accepted = int(mismatch[0]) if mismatch.size else len(draft)
-            emitted.append(chosen[r, : accepted + 1].tolist())
-            next_ids[r] = chosen[r, accepted]
-            self.written[r] = max(self.written[r], int(write_index[r]) + len(draft))
-            del self.held[r][int(write_index[r]) + accepted + 1 :]  # the step held every fed token
-            write_index[r] += accepted + 1
-        write_index[len(drafts) :] += 1
-        return next_ids, emitted
+            return False
+        return bool(self.decode_s)
 
     def timed(self, seconds: float, tokens: list[int] | None) -> None:
         """A step's time, and for a verify step the tokens each live row took from it."""
@@ -153,11 +127,73 @@ class Speculator:
         elif len(self.yields) >= 2:
             self.pause = 0
 
+
+class Speculator:
+    """Drafts and verifies for one generation's rows (`DraftPolicy` decides when)."""
+
+    def __init__(self, spec: Speculation, backend: Any, held: list[list[int]], n_rows: int) -> None:
+        self.spec, self.backend, self.held, self.n_rows = spec, backend, held, n_rows
+        self.policy = DraftPolicy()
+        self.written = [0] * n_rows  # each row's last position written (rejected drafts included)
+
+    def prepare(self) -> float:
+        """Build the verify graph (`StepBackend.prepare`); the seconds it took."""
+        return self.backend.prepare((self.spec.k + 1,), False, continuing=True, fresh=False, verify=True)
+
+    def drafts(self, pending: np.ndarray, write_index: np.ndarray, done: list[bool]) -> list[np.ndarray] | None:
+        """Each of the request's rows' draft (empty for a finished row), or None: take a decode step
+        (nothing drafted, drafting paused, no decode step timed yet, or no room in the cache)."""
+        if not self.policy.ready():
+            return None
+        limit, layouts = self.backend.max_sequence_len, self.backend.rotating_layouts
+        if limit is not None and int(write_index.max()) + self.spec.k + 1 > limit:
+            return None
+        found = [
+            np.zeros(0, dtype=np.int64)
+            if done[r]
+            else draft_for(
+                np.array([*self.held[r], int(pending[r])], dtype=np.int64), int(write_index[r]), self.spec, layouts
+            )
+            for r in range(self.n_rows)
+        ]
+        return found if any(len(d) for d in found) else None
+
+    def verify(
+        self, drafts: list[np.ndarray], pending: np.ndarray, write_index: np.ndarray, run: Any
+    ) -> tuple[np.ndarray, list[list[int]]]:
+        """One verify step through `run(input_ids [B, k+1], num_new [B]) -> [B, k+1]`: the rows'
+        next tokens `[B]` and each request row's emitted tokens; advances `write_index` and `held`."""
+        input_ids, num_new = verify_inputs(pending, drafts, self.spec.k)
+        chosen = run(input_ids, num_new)  # [B, k+1]: the model's token after each position
+        emitted, next_ids = [], chosen[:, 0].copy()
+        for r, draft in enumerate(drafts):
+            took = accepted(draft, chosen[r])
+            emitted.append(chosen[r, : took + 1].tolist())
+            next_ids[r] = chosen[r, took]
+            self.written[r] = max(self.written[r], int(write_index[r]) + len(draft))
+            del self.held[r][int(write_index[r]) + took + 1 :]  # the step held every fed token
+            write_index[r] += took + 1
+        write_index[len(drafts) :] += 1
+        return next_ids, emitted
+
     def finish(self) -> None:
         """Mark in `held` the positions past each row's tokens that hold a rejected draft's K/V
         (-1, never a token id): a later prompt reuses no more than it may (prefix.kept_prefix)."""
         for r in range(self.n_rows):
             self.held[r].extend([-1] * (self.written[r] - len(self.held[r])))
+
+
+def verify_inputs(pending: np.ndarray, drafts: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A verify step's `input_ids [B, k+1]` (each row's next token, then its draft, right-padded)
+    and `num_new [B]` (1 + its draft); rows past `drafts` feed their next token alone."""
+    batch = len(pending)
+    input_ids = np.zeros((batch, k + 1), dtype=np.int64)
+    input_ids[:, 0] = pending
+    num_new = np.ones(batch, dtype=np.int64)
+    for r, draft in enumerate(drafts):
+        input_ids[r, 1 : 1 + len(draft)] = draft
+        num_new[r] += len(draft)
+    return input_ids, num_new
 
 
 def speculator_for(
@@ -173,9 +209,14 @@ def speculator_for(
             "speculative decoding is greedy only for now (drafts are checked against the argmax); "
             "pass do_sample=False, or speculative=None to sample"
         )
+    check_verifies(backend)
+    return Speculator(spec, backend, held, n_rows)
+
+
+def check_verifies(backend: Any) -> None:
+    """Refuse, by name, a backend without a verify step."""
     if not hasattr(backend, "verify_step"):
         raise GenerationError(
             f"the {backend.name} backend has no verify step for speculative decoding; use a torch model "
             "backend (eager, compiled, cudagraph), or speculative=None"
         )
-    return Speculator(spec, backend, held, n_rows)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import GenerationError
 from ..generation.builds import counting
+from ..generation.speculative import Speculation, check_verifies
 from ..text.generation_config import GenerationDefaults
 
 
@@ -27,6 +28,7 @@ def serve_backend(
     prefiller: Any = None,
     stream_interval: int = 1,
     reuse_prefix: bool = True,
+    speculative: Any = None,
 ) -> tuple[Any, Any]:
     """The app serving `backend` (a Generator's `.backend`) as model `name`, and its scheduler.
     `prefiller`: a batch-1 backend over the same model and cache layout (a model backend's, built
@@ -34,10 +36,12 @@ def serve_backend(
     `stream_interval`: tokens a streamed chunk after the first (fewer HTTP events a token).
     `reuse_prefix`: a request keeps the prefix its row holds (rows.py) and prefills the rest from
     there, in chunks of the prefiller's continuing graphs up to REUSE_WIDTH (`reuse_widths`).
+    `speculative` ("ngram[:K]"): greedy rows verify tokens drafted from their own (planning.py).
     Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
     so that no request waits for a compile and no compile stalls the rows being served."""
     try:
         from .app import create_app
+        from .planning import Drafting
         from .protocol import Limits
         from .scheduler import Scheduler
     except ImportError as err:
@@ -45,21 +49,30 @@ def serve_backend(
             f"serving needs the serve extra ({err.name} is missing): pip install 'staticrt[serve]'"
         ) from None
     defaults = defaults or GenerationDefaults()
-    plan = []  # (backend, widths, do_sample, continuing): every graph serving needs, greedy and sampling
+    drafting = None if speculative is None else Drafting(Speculation.parse(speculative))
+    if drafting is not None:
+        check_verifies(backend)
+    plan: list[tuple[Any, tuple[int, ...], dict[str, Any]]] = []  # every graph serving needs: (backend, widths, how)
     for do_sample in (False, True):
         if prefiller is None:
-            plan.append((backend, (*backend.buckets, 1), do_sample, True))
+            plan.append((backend, (*backend.buckets, 1), {"do_sample": do_sample, "continuing": True}))
         else:
-            plan += [(backend, (1,), do_sample, False), (prefiller, prefiller.buckets, do_sample, False)]
+            plan.append((backend, (1,), {"do_sample": do_sample}))
+            plan.append((prefiller, prefiller.buckets, {"do_sample": do_sample}))
             widths = {*chunk_widths(prefiller), *(reuse_widths(prefiller) if reuse_prefix else ())}
-            plan.append((prefiller, tuple(sorted(widths)), do_sample, True))
-    graphs = {(id(b), key) for b, w, s, c in plan for key in b.unbuilt(w, s, continuing=c)}
+            plan.append((prefiller, tuple(sorted(widths)), {"do_sample": do_sample, "continuing": True}))
+    if drafting is not None:  # greedy rows only
+        verify = {"do_sample": False, "continuing": True, "fresh": False, "verify": True}
+        plan.append((backend, (drafting.spec.k + 1,), verify))
+    graphs = {(id(b), key) for b, widths, how in plan for key in b.unbuilt(widths, **how)}
     with counting(len(graphs)):  # "graph 3 of 16"
-        for b, widths, do_sample, continuing in plan:
-            b.prepare(widths, do_sample, continuing=continuing)
+        for b, widths, how in plan:
+            b.prepare(widths, **how)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
     widest = None if prefiller is None else max(reuse_widths(prefiller))  # an artifact's programs take both
-    scheduler = Scheduler(backend, tokenizer, max_queue, prefiller=prefiller, reuse_prefix=reuse_prefix, widest=widest)
+    scheduler = Scheduler(
+        backend, tokenizer, max_queue, prefiller=prefiller, reuse_prefix=reuse_prefix, widest=widest, drafting=drafting
+    )
     return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
 
 

@@ -184,13 +184,15 @@ class Job:
 class Plan:
     """One step's inputs (`[B, T]` ids, `[B]` write_index and num_new) for the backend that runs
     it, the jobs in it (each at its slot: its row, or 0 in a batch-1 prefiller) and the jobs that
-    get a token from it; `adopt`: a job whose row takes the prefiller's row after the step."""
+    get a token from it; `adopt`: a job whose row takes the prefiller's row after the step;
+    `drafts`: in a verify step (speculative.py), each job's drafted tokens, fed after its next one."""
 
     def __init__(self, backend: Any, width: int) -> None:
         batch = backend.batch_size
         self.backend = backend
         self.slot: dict[Job, int] = {}
         self.adopt: Job | None = None
+        self.drafts: dict[Job, np.ndarray] | None = None
         self.input_ids = np.zeros((batch, width), dtype=np.int64)
         self.write_index = np.zeros(batch, dtype=np.int64)
         self.num_new = np.zeros(batch, dtype=np.int64)  # real tokens a row (a decode step: every row 1)
@@ -225,7 +227,8 @@ class Plan:
             uniforms[row] = job.rng.random(dtype=np.float32)
         self.sampling = (SamplingParams(True, temperature, top_k, top_p), uniforms)
 
-    @property
-    def inputs(self) -> tuple[Any, ...]:
-        """`StepBackend.step`'s arguments."""
-        return (self.input_ids, self.write_index, self.num_new, *self.sampling)
+    def run(self) -> np.ndarray:
+        """The step: each row's next token `[B]`, or in a verify step the token after each position `[B, T]`."""
+        if self.drafts is not None:
+            return self.backend.verify_step(self.input_ids, self.write_index, self.num_new)
+        return self.backend.step(self.input_ids, self.write_index, self.num_new, *self.sampling)

@@ -1,7 +1,8 @@
 """What `GET /metrics` shows, in Prometheus' text format (prometheus_client): how full the queue
 and the rows are, tokens generated and prefilled, prompt tokens kept in the rows (prefix reuse),
-how each request ended, time to first token and between tokens. Each scheduler has its own
-registry, so servers in one process (tests) never mix counts."""
+tokens drafted and accepted (speculative decoding), how each request ended, time to first token
+and between tokens. Each scheduler has its own registry, so servers in one process (tests) never
+mix counts."""
 
 from __future__ import annotations
 
@@ -27,6 +28,12 @@ class Metrics:
         )
         self.reused_tokens = Counter(
             "staticrt_prefix_reused_tokens", "prompt tokens kept in a row's cache rather than prefilled", registry=r
+        )
+        self.drafted_tokens = Counter(
+            "staticrt_draft_tokens", "tokens drafted and checked in verify steps (speculative decoding)", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "staticrt_draft_accepted_tokens", "of the drafted tokens, those the model chose too", registry=r
         )
         self.finished = Counter(
             "staticrt_requests_finished", "requests that left their row, by outcome", ["outcome"], registry=r

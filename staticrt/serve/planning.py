@@ -1,18 +1,38 @@
 """One step's plan over a server's rows (scheduler.py): which jobs it runs, at which positions,
 and which of them get a token from it. Prefill and decode steps alternate; a prompt is prefilled
 alone in a batch-1 prefiller where there is one, else beside the rows it shares a bucket with,
-while the decoding rows sit out with their padding past their length. Imports no torch."""
+while the decoding rows sit out with their padding past their length. With speculation, a decode
+step becomes a verify step where the decoding rows are greedy and some of them drafted tokens.
+Imports no torch."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
+
 from ..generation.buckets import bucket_for
 from ..generation.loop import StepBackend
+from ..generation.speculative import DraftPolicy, Speculation, draft_for
 from .job import Job, Plan
 from .rows import RowMemory
 
 
+@dataclass
+class Drafting:
+    """A server's speculation: what it drafts (`spec`) and when that pays (`policy`, over every row's steps)."""
+
+    spec: Speculation
+    policy: DraftPolicy = field(default_factory=DraftPolicy)
+
+
 def plan_step(
-    backend: StepBackend, prefiller: StepBackend | None, memory: RowMemory, rows: list[Job | None], last_prefilled: bool
+    backend: StepBackend,
+    prefiller: StepBackend | None,
+    memory: RowMemory,
+    rows: list[Job | None],
+    last_prefilled: bool,
+    drafting: Drafting | None = None,
 ) -> tuple[Plan, bool]:
     """The next step's plan over `rows` (their jobs, None where a row is free), and whether it
     prefills: a prefill when a prompt waits, unless the step before prefilled and rows decode."""
@@ -26,7 +46,8 @@ def plan_step(
             plan = _alone(backend, prefiller, prefilling, memory.widest)
         if plan is not None:
             return plan, True
-    return _decode_plan(backend, memory, rows, decoding, prefilling), False
+    plan = None if drafting is None else _verify_plan(backend, memory, rows, decoding, prefilling, drafting)
+    return plan or _decode_plan(backend, memory, rows, decoding, prefilling), False
 
 
 def _prefill_plan(
@@ -86,16 +107,50 @@ def _alone(backend: StepBackend, prefiller: StepBackend, prefilling: list[Job], 
     return plan
 
 
+def _verify_plan(
+    backend: StepBackend,
+    memory: RowMemory,
+    rows: list[Job | None],
+    decoding: list[Job],
+    prefilling: list[Job],
+    drafting: Drafting,
+) -> Plan | None:
+    """A verify step where every decoding row is greedy (the step returns argmaxes), the policy
+    lets it, every row has k + 1 positions left and some row drafted; else None (a decode step)."""
+    spec, limit = drafting.spec, backend.max_sequence_len
+    if not decoding or any(job.request.sampling.do_sample for job in decoding) or not drafting.policy.ready():
+        return None
+    ends = [job.position for job in decoding] + [job.fed for job in prefilling]
+    if limit is not None and max(ends) + spec.k + 1 > limit:
+        return None
+    drafts = {
+        job: draft_for(np.array(job.request.prompt + job.tokens), job.position, spec, backend.rotating_layouts)
+        for job in decoding
+    }
+    if not any(len(d) for d in drafts.values()):
+        return None
+    return _decode_plan(backend, memory, rows, decoding, prefilling, drafts, spec.k + 1)
+
+
 def _decode_plan(
-    backend: StepBackend, memory: RowMemory, rows: list[Job | None], decoding: list[Job], prefilling: list[Job]
+    backend: StepBackend,
+    memory: RowMemory,
+    rows: list[Job | None],
+    decoding: list[Job],
+    prefilling: list[Job],
+    drafts: dict[Job, np.ndarray] | None = None,
+    width: int = 1,
 ) -> Plan:
-    plan = Plan(backend, 1)
-    plan.num_new[:] = 1  # a width-1 step writes every row: free rows at their end (rows.py)
+    """A decode step, or with `drafts` (of at most `width` - 1 tokens) a verify step: each decoding
+    row feeds its newest token, then its draft (right-padded), as `speculative.verify_inputs` lays out."""
+    plan = Plan(backend, width)
+    plan.num_new[:] = 1  # every row writes: free rows at their end (rows.py)
     for job in decoding:
-        plan.add(job, [job.tokens[-1]], job.position)
+        plan.add(job, [job.tokens[-1], *([] if drafts is None else drafts[job].tolist())], job.position)
     for job in prefilling:  # a chunked prompt between chunks: position `fed` is written next anyway
         plan.write_index[job.row] = job.fed
-    memory.park(plan.write_index, rows, 1)
+    memory.park(plan.write_index, rows, width)
+    plan.drafts = drafts
     plan.finishing = decoding
     plan.choose(decoding)
     return plan

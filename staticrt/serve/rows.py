@@ -5,7 +5,12 @@ in the free row that shares the longest prefix with its prompt (ties: the least 
 row) and prefills only the rest, as llama.cpp's slots do: clients that share a system prompt, or
 send a conversation one turn longer, pay for what is new. A free row keeps its contents until it
 is reused; the steps it sits out write at its end (the position after what it holds), where a
-continuation overwrites them before any query sees them. Imports no torch.
+continuation overwrites them before any query sees them.
+
+A rotating layer may also hold entries past what the row holds: a speculative step's rejected
+drafts, or the tail of the request before, which the row's request cut back to a kept prefix.
+`kept` counts them as written (prefix.continues' `over`) until the row's own writes since it was
+seated span every rotating slot. Imports no torch.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class RowMemory:
         self.widest = widest
         self.held: list[list[int]] = [[] for _ in range(backend.batch_size)]
         self.used = [-1] * backend.batch_size  # the order of each row's last request: ties go to the oldest
+        self.beyond = [0] * backend.batch_size  # the furthest position a row may have written (rotating layers)
+        self.since = [0] * backend.batch_size  # where the row's writes have run without a gap since it was seated
+        self.span = max((slots for slots, _ in backend.rotating_layouts), default=0)
 
     def kept(self, prompt: list[int], row: int) -> int:
         """Prompt tokens a request keeps in `row`, where the rest's chunks fit after them."""
@@ -39,7 +47,8 @@ class RowMemory:
         limit, buckets = self.backend.max_sequence_len, self.backend.buckets
         if self.widest is not None:
             buckets = tuple(b for b in buckets if b <= self.widest)
-        kept = kept_prefix(self.held[row], prompt, self.backend.rotating_layouts)
+        held = self.held[row] + [-1] * (self.beyond[row] - len(self.held[row]))  # -1: never a token id
+        kept = kept_prefix(held, prompt, self.backend.rotating_layouts)
         return kept if limit is None or kept + chunk_end(buckets, len(prompt) - kept) <= limit else 0
 
     def best(self, prompt: list[int], free: list[int]) -> tuple[int, int]:
@@ -49,18 +58,29 @@ class RowMemory:
         return row, kept[row]
 
     def seat(self, row: int, kept: int, order: int) -> None:
-        self.held[row] = self.held[row][:kept]
+        self._cut(row, kept)
         self.used[row] = order
 
-    def fed(self, row: int, ids: np.ndarray) -> None:
-        """`row` was fed `ids` at its end."""
+    def fed(self, row: int, ids: np.ndarray, rejected: int = 0) -> None:
+        """`row` was fed `ids` at its end, and after them `rejected` drafts (speculative.py) whose
+        K/V now lie past what it holds."""
         if self.reuse:
-            self.held[row].extend(ids.tolist())
+            held = self.held[row]
+            held.extend(ids.tolist())
+            if len(held) - self.since[row] >= self.span:  # every rotating slot written since: nothing older left
+                self.beyond[row] = 0
+            self.beyond[row] = max(self.beyond[row], len(held) + rejected - 1)
 
     def forget(self, row: int | None = None) -> None:
         """`row` (None: every row) holds nothing known: a step cut short, or no room at its end."""
         for r in range(len(self.held)) if row is None else (row,):
-            self.held[r] = []
+            self._cut(r, 0)
+
+    def _cut(self, row: int, kept: int) -> None:
+        """`row` holds its first `kept` ids; what it held past them may still lie in its slots."""
+        self.beyond[row] = max(self.beyond[row], len(self.held[row]))
+        self.held[row] = self.held[row][:kept]
+        self.since[row] = kept
 
     def park(self, write_index: np.ndarray, jobs: list[Any], width: int) -> None:
         """Where the free rows (`jobs[r]` None) write a step's `width` entries: right after what they

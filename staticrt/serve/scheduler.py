@@ -19,6 +19,10 @@ next occupant writes every position it attends to before it attends to it.
 A request is seated in the free row that holds the longest prefix of its prompt and prefills only
 the rest (rows.py). A freed row keeps its contents until it is reused.
 
+With speculation (`drafting`), a decode step where every decoding row is greedy becomes a verify
+step (planning.py): each row feeds its next token and the tokens it drafts from its own, takes
+those the model agrees with plus the model's token, and the rows that drafted nothing advance one.
+
 One thread runs the steps; requests come from any thread, and each job's `emit` is called on the
 stepping thread. `staticrt serve` steps on the thread that loaded and compiled the model (`run`):
 OpenMP gives every thread that starts parallel work a team of its own, and on a 2-core machine a
@@ -39,9 +43,10 @@ import numpy as np
 
 from ..errors import StaticrtError
 from ..generation.loop import StepBackend
+from ..generation.speculative import accepted
 from .job import Completion, Event, Job, Plan, check_request
 from .metrics import Metrics
-from .planning import plan_step
+from .planning import Drafting, plan_step
 from .rows import RowMemory
 
 
@@ -65,6 +70,7 @@ class Scheduler:
         prefiller: StepBackend | None = None,
         reuse_prefix: bool = True,
         widest: int | None = None,
+        drafting: Drafting | None = None,
     ) -> None:
         self.backend = backend
         self.prefiller = prefiller  # batch 1, same model and cache layout; its row is copied into ours
@@ -73,6 +79,7 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.rows: list[Job | None] = [None] * backend.batch_size
         self.memory = RowMemory(backend, reuse_prefix, widest)
+        self.drafting = drafting
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.admitting = True
@@ -150,14 +157,18 @@ class Scheduler:
             plan = None
             try:
                 plan, self.last_prefilled = plan_step(
-                    self.backend, self.prefiller, self.memory, self.rows, self.last_prefilled
+                    self.backend, self.prefiller, self.memory, self.rows, self.last_prefilled, self.drafting
                 )
                 if plan.adopt is not None and plan.adopt.fed > 0:  # the prefiller continues the job's row
                     self.prefiller.adopt_row(0, self.backend, plan.adopt.row)
-                next_ids = plan.backend.step(*plan.inputs)
+                start = time.perf_counter()
+                next_ids = plan.run()
+                seconds = time.perf_counter() - start
                 if plan.adopt is not None:
                     self.backend.adopt_row(plan.adopt.row, self.prefiller, plan.slot[plan.adopt])
-                self._advance(plan, next_ids)
+                taken = self._advance(plan, next_ids)
+                if self.drafting is not None and not self.last_prefilled:
+                    self.drafting.policy.timed(seconds, taken if plan.drafts is not None else None)
             except Exception as err:  # a failed step fails its own rows (all, if planning failed); serving goes on
                 self.memory.forget()  # a step cut short leaves no row's contents known
                 message = f"the step failed: {type(err).__name__}: {err}"
@@ -207,26 +218,45 @@ class Scheduler:
             longest_prompt, longest_answer = prompt, answer
             self._seat(self.waiting.popleft(), row)
 
-    def _advance(self, plan: Plan, next_ids: np.ndarray) -> None:
+    def _advance(self, plan: Plan, next_ids: np.ndarray) -> list[int]:
+        """Record what each row was fed, and give the finishing jobs their tokens (in a verify step,
+        the drafts the model agreed with and its own token after them); the tokens each took."""
+        chosen: dict[Job, list[int]] = {}
         for job in plan.members:
             slot = plan.slot[job]
-            self.memory.fed(job.row, plan.input_ids[slot, : plan.num_new[slot]])
+            fed, rejected = int(plan.num_new[slot]), 0
+            chosen[job] = [int(next_ids[slot])] if next_ids.ndim == 1 else []
+            if plan.drafts is not None:
+                draft = plan.drafts[job]
+                took = accepted(draft, next_ids[slot])
+                chosen[job] = next_ids[slot, : took + 1].tolist()
+                fed, rejected = took + 1, len(draft) - took
+                self.metrics.drafted_tokens.inc(len(draft))
+                self.metrics.accepted_tokens.inc(took)
+            self.memory.fed(job.row, plan.input_ids[slot, :fed], rejected)
             if len(job.tokens) == 0:
-                job.fed += int(plan.num_new[slot])
-        now = time.perf_counter()
-        self.metrics.tokens.inc(len(plan.finishing))
+                job.fed += fed
         for job in plan.finishing:
-            token = int(next_ids[plan.slot[job]])
-            if job.tokens:
-                self.metrics.inter_token.observe(now - job.last_at)
-            else:
-                self.metrics.first_token.observe(now - job.created_at)
-                self.metrics.prefilled_tokens.inc(len(job.request.prompt) - job.kept)
-                if job.kept:
-                    self.metrics.prefix_hits.inc()
-                    self.metrics.reused_tokens.inc(job.kept)
-            job.last_at = now
-            self._deliver(job, token)
+            for token in chosen[job]:
+                if job.row is None or self.rows[job.row] is not job:
+                    break  # finished at an earlier token of this step (a stop)
+                self._observe(job)
+                self._deliver(job, token)
+        return [len(chosen[job]) for job in plan.finishing]
+
+    def _observe(self, job: Job) -> None:
+        """A token for `job` now: the latency metrics (tokens of one verify step come 0 s apart)."""
+        now = time.perf_counter()
+        self.metrics.tokens.inc()
+        if job.tokens:
+            self.metrics.inter_token.observe(now - job.last_at)
+        else:
+            self.metrics.first_token.observe(now - job.created_at)
+            self.metrics.prefilled_tokens.inc(len(job.request.prompt) - job.kept)
+            if job.kept:
+                self.metrics.prefix_hits.inc()
+                self.metrics.reused_tokens.inc(job.kept)
+        job.last_at = now
 
     def _deliver(self, job: Job, token: int) -> None:
         """Send the token and the text it completes; finish the job on a stop id, a stop string or its length."""
