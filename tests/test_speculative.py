@@ -228,6 +228,19 @@ def test_a_server_speculates_in_its_rows_beside_sampled_rows_and_stops_inside_a_
     assert counts['staticrt_requests_finished_total{outcome="stop"}'] == 1
 
 
+def test_an_artifact_backend_is_refused_by_name_before_it_serves_or_generates():
+    from types import SimpleNamespace
+
+    from staticrt.generation.speculative import check_verifies
+
+    with pytest.raises(GenerationError) as raised:
+        check_verifies(SimpleNamespace(name="onnx"))  # an artifact's backend: no verify_step
+    assert str(raised.value) == (
+        "the onnx backend has no verify step for speculative decoding; use a torch model backend (eager, "
+        "compiled, cudagraph), or no speculation (drop --speculative; speculative=None)"
+    )
+
+
 def test_a_server_row_counts_what_rejected_drafts_and_an_earlier_request_left_in_its_slots():
     """A rotating layer of 16 slots (window 16): a row that holds 21 ids keeps them for a prompt
     that continues them after one rejected draft (written at position 21, where the prompt goes

@@ -218,5 +218,5 @@ def check_verifies(backend: Any) -> None:
     if not hasattr(backend, "verify_step"):
         raise GenerationError(
             f"the {backend.name} backend has no verify step for speculative decoding; use a torch model "
-            "backend (eager, compiled, cudagraph), or speculative=None"
+            "backend (eager, compiled, cudagraph), or no speculation (drop --speculative; speculative=None)"
         )
