@@ -165,6 +165,26 @@ def test_what_a_rotating_row_can_keep():
     assert kept_prefix(held, held + [8], ((4, None),)) == 0  # a sink layer that wrapped: nothing
 
 
+def test_a_row_cut_back_to_a_kept_prefix_remembers_the_tail_its_slots_still_hold(hf_checkpoints):
+    """Rotating layers of 20 slots, window 16 (4 positions of slack). A row holding 31 ids is
+    continued from 28 by a prompt of 29 tokens that asks for one token (it feeds one): the row holds
+    29 ids, and its slots still hold the old positions 29 and 30, which it marks -1. A prompt that
+    parts from it at 25 keeps nothing (30 - 25 > 4), where it would keep 25 were the tail forgotten
+    (29 - 25 <= 4); its tokens are transformers'."""
+    model = staticrt.load_model(hf_checkpoints["mistral-sw16"][0])
+    gen = staticrt.Generator(model, cache="sliding", window=20, max_cache_len=128)
+    a = torch.randint(1, 256, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+    gen.generate([a], 2, reuse_prefix=True)  # holds a and its first answer token: 31 ids
+    b = a[:28] + [7]
+    gen.generate([b], 1, reuse_prefix=True)
+    assert gen.last_stats.kept == [28] and gen.held[0] == b + [-1, -1]
+    c = a[:25] + [9, 9, 9]
+    assert a[25] != 9
+    out = gen.generate([c], 4, reuse_prefix=True)[0]
+    assert gen.last_stats.kept == [0]
+    assert out == hf_greedy(hf_checkpoints["mistral-sw16"][1], c, 4)
+
+
 SYSTEM = list(range(100, 112))  # a "system prompt" of 12 tokens that two requests share
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
 from .buckets import bucket_for
-from .prefix import Layouts, kept_prefix
+from .prefix import Layouts, kept_prefix, mark_cut_tails
 from .request import check_bucket, validate_request
 from .speculative import Speculation, Speculator, speculator_for
 
@@ -162,6 +162,12 @@ def _prefill_inputs(
     return kept, input_ids, write_index, lengths
 
 
+def _uniforms(rngs: list[np.random.Generator]) -> np.ndarray:
+    """One draw a row, `[B]` float32, each from the row's own generator (its sampled tokens
+    depend on its seed alone)."""
+    return np.array([g.random(dtype=np.float32) for g in rngs], dtype=np.float32)
+
+
 def _tracked(backend: StepBackend, held: list[list[int]], n_rows: int, run: Callable[..., Any], *inputs: Any) -> Any:
     """`run(*inputs)` (a step of `backend`: ids, write_index, num_new, ...), and what the request's
     rows hold after it; on a failure nothing, where a rotating layer may have overwritten slots of
@@ -209,9 +215,7 @@ def generate_tokens(
     rngs = [np.random.default_rng(None if sampling.seed is None else sampling.seed + r) for r in range(batch)]
 
     def step(ids: np.ndarray, num_new: np.ndarray) -> np.ndarray:
-        uniforms = (
-            np.array([g.random(dtype=np.float32) for g in rngs], dtype=np.float32) if sampling.do_sample else None
-        )
+        uniforms = _uniforms(rngs) if sampling.do_sample else None
         return _tracked(backend, held, n_rows, backend.step, ids, write_index, num_new, sampling, uniforms)
 
     continuing, bucket = any(kept), input_ids.shape[1]
@@ -220,13 +224,13 @@ def generate_tokens(
     stats.compile_s += speculator.prepare() if speculator and max_new_tokens > 1 else 0.0
     if not continuing:
         backend.reset()
+    cut = [len(h) if continuing else 0 for h in held[:n_rows]]  # what a row held before it was cut back
     held[:] = [ids[:k] for ids, k in zip(rows, kept, strict=True)] + [[] for _ in range(batch - n_rows)]
-    stats.kept = list(kept)
     start = time.perf_counter()
     next_ids = step(input_ids, lengths)
-    stats.prefill_s, stats.bucket, stats.decode_s = time.perf_counter() - start, bucket, []
+    stats.prefill_s, stats.bucket, stats.decode_s, stats.kept = time.perf_counter() - start, bucket, [], list(kept)
     write_index += lengths
-    return _decode(
+    out = _decode(
         lambda ids: step(ids, np.ones(batch, dtype=np.int64)),
         next_ids,
         n_rows,
@@ -238,6 +242,8 @@ def generate_tokens(
         speculator,
         lambda ids, num_new: _tracked(backend, held, n_rows, backend.verify_step, ids, write_index, num_new),
     )
+    mark_cut_tails(held, cut, kept, backend.rotating_layouts)
+    return out
 
 
 def _decode(

@@ -72,3 +72,13 @@ def draft_room(position: int, k: int, rotating: Layouts) -> int:
     `position + d`, the row may resume from `position + 1`. Linear layers allow any d; a buffer
     of `window` slots, once wrapped, allows 1 (its first draft only), one of `window + j`, j + 1."""
     return next((d for d in range(k, 0, -1) if continues(position + d, position + 1, rotating)), 0)
+
+
+def mark_cut_tails(held: list[list[int]], cut: Sequence[int], kept: Sequence[int], rotating: Layouts) -> None:
+    """A row continued from a kept prefix may still hold, in a rotating layer's slots, what it held
+    past that prefix: mark those positions -1 (never a token id; `kept_prefix` then keeps no
+    more than it may), unless the row has since written every slot."""
+    span = max((slots for slots, _ in rotating), default=0)
+    for r, k in enumerate(kept):
+        if len(held[r]) - k < span:
+            held[r].extend([-1] * (cut[r] - len(held[r])))
