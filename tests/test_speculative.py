@@ -63,6 +63,28 @@ def test_compiled_speculation_runs_one_verify_graph_without_recompiling(hf_check
     assert set(gen.backend._graphs) == {(16, "pick", True), (1, "pick", False), (4, "verify", False)}
 
 
+def test_compiled_speculative_sampling_draws_eagers_tokens_for_a_seed(hf_checkpoints):
+    """A sampling verify step runs in a graph of its own and draws eager's tokens for the seed:
+    in 4 tokens (prefill, decode, at most two verify steps) the policy cannot pause, so the draws
+    line up. Each prompt is a passage, the model's answer to it and the passage again: drafts copy
+    the answer, which a temperature of 0.1 keeps often (a random tiny model's logits are flat)."""
+    sampled = dict(do_sample=True, temperature=0.1, seed=7, speculative="ngram:3")
+    eager = generator(hf_checkpoints, "mistral-sw16", prefill_buckets=(16,))
+    texts = [p[:5] + eager.generate([p[:5]], 5)[0] + p[:5] for p in (prompt(1), prompt(2), prompt(3))]
+    gen = generator(hf_checkpoints, "mistral-sw16", "compiled", prefill_buckets=(16,))
+    tokens, verified = [], 0
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for text in texts:
+            tokens.append(gen.generate([text], 4, **sampled)[0])
+            verified += gen.last_stats.verify_steps
+    assert tokens == [eager.generate([text], 4, **sampled)[0] for text in texts]
+    assert verified > 0 and set(gen.backend._graphs) == {
+        (16, "pick", True),
+        (1, "pick", False),
+        (4, "verify_sample", False),
+    }
+
+
 def test_a_rows_tokens_do_not_depend_on_its_neighbours_drafts(hf_checkpoints):
     gen = generator(hf_checkpoints, "llama", max_batch_size=3)
     prompts = [prompt(1), prompt(2)[:9], prompt(3)]
@@ -94,6 +116,81 @@ def test_drafts_the_model_never_chooses_leave_the_tokens_and_the_held_ids_exact(
     # held: what the row's cache holds, as fed; -1 marks positions a rejected draft wrote last
     valid = text + out[:-1]
     assert gen.held[0][: len(valid)] == valid and set(gen.held[0][len(valid) :]) <= {-1}
+
+
+def test_verify_sample_keeps_a_draft_as_often_as_the_model_gives_it_and_every_token_follows_the_model():
+    """`verify_sample` at one position, 40,000 draws a case: the token's frequencies fit the
+    position's sampling distribution p (softmax of logits / temperature within the top-k,
+    renormalised; computed here apart from `sampling.py`), whatever the draft: a likely one, an
+    unlikely one, one outside the top-k and one inside it, none; and a greedy row (top-k 1) takes
+    the argmax."""
+    from scipy.stats import chisquare
+
+    from staticrt.generation.sampling import verify_sample
+
+    logits = torch.tensor([2.0, 1.5, 0.5, 0.0, -1.0, -3.0])
+    cases = [  # (draft, temperature, top_k)
+        (0, 1.0, 0),  # the likeliest token, p = 0.49
+        (3, 1.0, 0),  # an unlikely one, p = 0.07
+        (4, 0.7, 3),  # outside the top-3: never kept
+        (2, 1.0, 3),  # inside it: kept as often as the top-3 renormalised gives it (p = 0.12)
+        (-1, 1.0, 4),  # no draft: a plain draw
+        (1, 1.0, 1),  # a greedy row: drafts other than the argmax are redrawn as the argmax
+    ]
+    n, vocab = 40_000, len(logits)
+    uniform = torch.rand((len(cases) * n, 1, 2), generator=torch.Generator().manual_seed(0))
+    column = lambda values, dtype: torch.tensor(values, dtype=dtype).repeat_interleave(n)  # noqa: E731
+    tokens = verify_sample(
+        logits.expand(len(cases) * n, 1, vocab),
+        column([d for d, _, _ in cases], torch.int64)[:, None],
+        column([t for _, t, _ in cases], torch.float32),
+        column([k for _, _, k in cases], torch.int64),
+        torch.ones(len(cases) * n),
+        uniform,
+    ).reshape(len(cases), n)
+    for (draft, temperature, top_k), drawn in zip(cases, tokens, strict=True):
+        p = torch.softmax(logits.double() / temperature, dim=-1)
+        if top_k:
+            p = torch.where(p >= p.topk(top_k).values[-1], p, 0.0)
+            p = p / p.sum()
+        counts = torch.bincount(drawn, minlength=vocab).double()
+        support = p > 0
+        assert counts[~support].sum() == 0, (draft, counts)
+        if support.sum() > 1:
+            fit = chisquare(counts[support].numpy(), (p[support] / p[support].sum() * n).numpy())
+            assert fit.pvalue > 1e-4, (draft, temperature, top_k, counts.tolist(), (p * n).tolist())
+    assert tokens[-1].eq(0).all()  # the greedy row's argmax
+
+
+def test_speculative_sampling_draws_what_plain_sampling_draws_in_distribution(hf_checkpoints):
+    """mistral-sw16 after a passage it answered before, temperature 0.1 (a random tiny model's
+    logits are flat): 480 rows sampled plainly and 480 with prompt lookup, other seeds. Tokens 1-2
+    come from the prefill and a decode step in both; 3 and 4 from verify steps that keep and
+    reject drafts. A chi-squared test of homogeneity on (token 3, token 4) finds the two the same."""
+    from scipy.stats import chi2_contingency
+
+    gen = staticrt.Generator(
+        staticrt.load_model(hf_checkpoints["mistral-sw16"][0]), max_cache_len=160, max_batch_size=32
+    )
+    passage = torch.randint(1, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    text = passage + gen.generate([passage], 40)[0] + passage
+    drawn: dict[str, list[tuple[int, int]]] = {"plain": [], "ngram": []}
+    drafted = accepted = 0
+    for call in range(15):
+        for arm, speculative, seed in (("plain", None, 0), ("ngram", "ngram:4", 10_000)):
+            out = gen.generate(
+                [text] * 32, 4, do_sample=True, temperature=0.1, seed=seed + 32 * call, speculative=speculative
+            )
+            drawn[arm] += [(row[2], row[3]) for row in out]
+            if speculative:
+                drafted, accepted = drafted + gen.last_stats.drafted, accepted + gen.last_stats.accepted
+    assert 0 < accepted < drafted  # verify steps kept drafts and rejected some
+    pairs = sorted(set(drawn["plain"]) | set(drawn["ngram"]))
+    table = np.array([[drawn[arm].count(pair) for pair in pairs] for arm in drawn])
+    common = table.sum(axis=0) >= 10  # pairs seen at least 10 times; the rest pooled
+    table = np.column_stack([table[:, common], table[:, ~common].sum(axis=1)])
+    assert table.shape[1] >= 4, table  # the test has categories to compare
+    assert chi2_contingency(table).pvalue > 1e-3, table
 
 
 def test_prompt_lookup_takes_what_followed_the_latest_match_of_the_longest_suffix():
@@ -135,11 +232,6 @@ def test_drafting_pauses_where_it_does_not_pay_and_tries_again():
         (
             {"speculative": "draft"},
             "speculative is 'draft'; give 'ngram' or 'ngram:K' (prompt lookup, K drafted tokens a step, default 4)",
-        ),
-        (
-            {"speculative": "ngram", "do_sample": True},
-            "speculative decoding is greedy only for now (drafts are checked against the argmax); pass "
-            "do_sample=False, or speculative=None to sample",
         ),
         (
             {"speculative": "ngram", "num_beams": 2},

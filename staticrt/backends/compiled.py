@@ -23,7 +23,7 @@ import torch
 from ..errors import GenerationError
 from ..generation import builds
 from ..generation.loop import SamplingParams
-from .eager import VERIFY, EagerBackend, StepFn, run_step, starts_fresh, step_choice
+from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice, verifies
 from .freezing import FREEZE_MIN_HIDDEN, frozen_decode_weights
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
@@ -148,7 +148,7 @@ class CompiledBackend(EagerBackend):
             )
             write_index = np.full(batch, 0 if starts or width == 1 else 1, dtype=np.int64)
             ones = np.ones(batch, dtype=np.int64)
-            uniforms = np.zeros(batch, dtype=np.float32) if do_sample else None
+            uniforms = np.zeros((batch, width, 2) if verify else batch, dtype=np.float32) if do_sample else None
             inputs = np.zeros((batch, width), dtype=np.int64)
             self.run(choice, inputs, write_index, ones, SamplingParams(do_sample), uniforms)
             self._built.add(key)
@@ -202,7 +202,7 @@ class CompiledBackend(EagerBackend):
         inputs; so do quantized weights, whose kernels read them as they are (freezing would fold
         them back into floats)."""
         return (
-            (seq_len == 1 or choice == VERIFY)
+            (seq_len == 1 or verifies(choice))
             and self.device.type == "cpu"
             and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
             and self.model.quantization is None
@@ -245,7 +245,7 @@ class CompiledBackend(EagerBackend):
                     graph_name(*key),
                     layers_once=once,
                     either=choice == "pick",
-                    every_position=choice == VERIFY,
+                    every_position=verifies(choice),
                 ),
                 fullgraph=True,
                 dynamic=False,

@@ -32,9 +32,17 @@ import torch
 
 from ..generation.loop import SamplingParams, per_row
 from .compiled import CompiledBackend
-from .eager import VERIFY, StepFn, choice_candidates, starts_fresh, step_choice
+from .eager import VERIFY_SAMPLE, StepFn, choice_candidates, starts_fresh, step_choice, verifies
 
 _WARNED = False
+
+
+def _uniform_input(choice: str, batch: int, seq_len: int, dev: torch.device) -> torch.Tensor | None:
+    """A captured step's uniform input: `[B]` for a sampling step, `[B, T, 2]` for a verify step
+    that samples (`sampling.verify_sample`), none for greedy."""
+    if choice == VERIFY_SAMPLE:
+        return torch.zeros(batch, seq_len, 2, dtype=torch.float32, device=dev)
+    return torch.zeros(batch, dtype=torch.float32, device=dev) if choice == "sample" else None
 
 
 class CudaGraphWarning(UserWarning):
@@ -214,13 +222,13 @@ class CudaGraphBackend(CompiledBackend):
             "temperature": torch.ones(batch, dtype=torch.float32, device=dev),
             "top_k": torch.zeros(batch, dtype=torch.int64, device=dev),
             "top_p": torch.ones(batch, dtype=torch.float32, device=dev),
-            "uniform": torch.zeros(batch, dtype=torch.float32, device=dev) if choice == "sample" else None,
+            "uniform": _uniform_input(choice, batch, seq_len, dev),
         }
         fn, k = self.step_function(*key), choice_candidates(choice)
         if k:  # a beam step's candidates: log-probabilities and ids, [B, k] each
             output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
         else:  # a token a row, or after every position of a verify step
-            output = torch.zeros((batch, seq_len) if choice == VERIFY else batch, dtype=torch.int64, device=dev)
+            output = torch.zeros((batch, seq_len) if verifies(choice) else batch, dtype=torch.int64, device=dev)
         entry = _Graph(torch.cuda.CUDAGraph(), {n: v for n, v in inputs.items() if v is not None}, output)
         feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
 

@@ -15,7 +15,7 @@ from ..errors import CacheError, GenerationError, as_int
 from ..generation.buckets import default_buckets
 from ..generation.loop import SamplingParams, per_row
 from ..generation.prefix import Layouts, rotating_layouts
-from ..generation.sampling import beam_candidates, greedy, pick, sample
+from ..generation.sampling import beam_candidates, greedy, pick, sample, verify_sample
 from ..models.decoder import Decoder
 
 StepFn = Callable[..., Any]
@@ -23,15 +23,21 @@ StepFn = Callable[..., Any]
 
 def step_choice(do_sample: bool, candidates: int = 0, verify: bool = False) -> str:
     """How a step picks what it returns, and what its graph is called: "greedy", "sample",
-    "beam{k}" (each row's k best continuations, for beam search) or "verify" (the greedy token
-    after every position, checking drafted tokens: `verify_step`). A compiled backend may run
-    greedy and sampling steps as one choice, "pick" (`CompiledBackend.graph_choice`)."""
+    "beam{k}" (each row's k best continuations, for beam search), "verify" (the greedy token
+    after every position, checking drafted tokens: `verify_step`) or "verify_sample" (speculative
+    sampling's token after every position). A compiled backend may run greedy and sampling steps
+    as one choice, "pick" (`CompiledBackend.graph_choice`)."""
     if verify:
-        return VERIFY
+        return VERIFY_SAMPLE if do_sample else VERIFY
     return f"beam{candidates}" if candidates else ("sample" if do_sample else "greedy")
 
 
-VERIFY = "verify"
+VERIFY, VERIFY_SAMPLE = "verify", "verify_sample"
+
+
+def verifies(choice: str) -> bool:
+    """Whether a step of `choice` returns a token after every position (checks drafts)."""
+    return choice in (VERIFY, VERIFY_SAMPLE)
 
 
 def choice_candidates(choice: str) -> int:
@@ -55,7 +61,7 @@ def run_step(
     temperature: torch.Tensor,  # [B]
     top_k: torch.Tensor,  # [B]
     top_p: torch.Tensor,  # [B]
-    uniform: torch.Tensor | None,  # [B], None for greedy
+    uniform: torch.Tensor | None,  # [B], [B, T, 2] in a verify step that samples; None for greedy
     candidates: int = 0,
     fresh: bool = False,
     *,
@@ -65,12 +71,18 @@ def run_step(
 ) -> Any:
     """One model step plus token choice: the unit every torch backend runs (and compiles) whole.
     Token ids `[B]`; with `candidates` k > 0 (a beam step), `beam_candidates`' `[B, k]` pair;
-    with `every_position` (a "verify" step), the greedy token after each position, `[B, T]`.
+    with `every_position` (a verify step), the token after each position, `[B, T]`: greedy, or
+    with `uniform` by speculative sampling's rule (`sampling.verify_sample`).
     `layers_once`: see `Decoder.forward`; `either`: the step serves greedy and sampling steps
     (`sampling.pick`, a uniform a row always given). A compiled graph's own copy sets these."""
     if every_position:
         logits = model(input_ids, write_index, cache, num_new, last_only=False, fresh=fresh, layers_once=layers_once)
-        return greedy(logits)  # [B, T]
+        if uniform is None:
+            return greedy(logits)  # [B, T]
+        # the token drafted after position i is the one fed at i + 1, where the row fed one
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+        drafts = torch.where(positions + 1 < num_new[:, None], input_ids.roll(-1, dims=1), -1)  # [B, T]
+        return verify_sample(logits, drafts, temperature, top_k, top_p, uniform)
     logits = model(input_ids, write_index, cache, num_new, fresh=fresh, layers_once=layers_once)  # [B, V]
     if candidates:
         return beam_candidates(logits, candidates)
@@ -163,7 +175,7 @@ class EagerBackend:
         """The callable that runs a step of `seq_len` tokens a row choosing as `choice` says
         (`step_choice`), from position 0 where `fresh` (`starts_fresh`); eager runs `run_step`
         as it is."""
-        return _verify_step if choice == VERIFY else run_step
+        return _verify_step if verifies(choice) else run_step
 
     def reset(self) -> None:
         self.cache.reset()
@@ -215,11 +227,20 @@ class EagerBackend:
         scores, ids = self.run(step_choice(False, candidates), input_ids, write_index, num_new, SamplingParams(), None)
         return scores.cpu().numpy(), ids.cpu().numpy()
 
-    def verify_step(self, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+    def verify_step(
+        self,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams | None = None,
+        uniforms: np.ndarray | None = None,
+    ) -> np.ndarray:
         """A step that checks drafted tokens: row b feeds `input_ids[b, :num_new[b]]` (its next
-        token, then its draft) and gets the greedy token after each position, `[B, T]` int64."""
+        token, then its draft) and gets the token after each position, `[B, T]` int64: the greedy
+        one, or with `uniforms [B, T, 2]` speculative sampling's (`sampling.verify_sample`)."""
         self.live = True
-        return self.run(VERIFY, input_ids, write_index, num_new, SamplingParams(), None).cpu().numpy()
+        choice = step_choice(uniforms is not None, verify=True)
+        return self.run(choice, input_ids, write_index, num_new, sampling or SamplingParams(), uniforms).cpu().numpy()
 
     def reorder_rows(self, rows: np.ndarray) -> None:
         """Row b of the cache takes row `rows[b]`'s contents (`rows [B]` int64), in place: beam
@@ -234,7 +255,7 @@ class EagerBackend:
         write_index: np.ndarray,  # [B]
         num_new: np.ndarray,  # [B]
         sampling: SamplingParams,
-        uniforms: np.ndarray | None,  # [B] when sampling
+        uniforms: np.ndarray | None,  # [B] when sampling ([B, T, 2] in a verify step)
     ) -> Any:
         """Run one step on the device and return what `choice` asks for, still on the device."""
         batch, seq_len = input_ids.shape

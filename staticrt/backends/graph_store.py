@@ -42,7 +42,7 @@ from ..artifacts.write import write_folder
 from ..caches import KVCache
 from ..errors import StaticrtError
 from ..models.decoder import Decoder
-from .eager import VERIFY, choice_candidates, run_step
+from .eager import choice_candidates, run_step, verifies
 
 log = logging.getLogger("staticrt")
 
@@ -126,7 +126,7 @@ class StepModule(torch.nn.Module):
             fresh=self.fresh,
             layers_once=self.layers_once,
             either=self.choice == "pick",
-            every_position=self.choice == VERIFY,
+            every_position=verifies(self.choice),
         )
 
 

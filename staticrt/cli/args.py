@@ -152,7 +152,11 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NE
         default=None,
         help="stop token ids, comma-separated (default: the checkpoint's eos ids)",
     )
-    add_speculative_arg(p, "the tokens are greedy decoding's")
+    add_speculative_arg(
+        p,
+        "greedy tokens are greedy decoding's; with --do-sample, kept drafts follow the model's distribution "
+        "(speculative sampling's rule), not the seed's plain tokens",
+    )
 
 
 def add_speculative_arg(p: argparse.ArgumentParser, scope: str) -> None:
@@ -161,7 +165,7 @@ def add_speculative_arg(p: argparse.ArgumentParser, scope: str) -> None:
         "--speculative",
         default=None,
         metavar="ngram[:K]",
-        help="greedy speculative decoding: a step verifies up to K tokens (default 4) drafted from the text so "
+        help="speculative decoding: a step verifies up to K tokens (default 4) drafted from the text so "
         f"far (prompt lookup), while drafting pays; {scope}. Fastest where the answer copies its prompt "
         "(rewriting, editing code, summarising); a torch --model backend only",
     )

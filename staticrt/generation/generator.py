@@ -190,8 +190,8 @@ class Generator:
         next turn passes the whole conversation and pays for the new turn alone. The tokens are
         those of a whole prefill; `last_stats.kept` says how many each row kept.
 
-        `speculative` "ngram[:K]" (greedy): a decode step may verify up to K tokens drafted from the
-        row's own (generation/speculative.py); `last_stats` counts verify steps and accepted drafts."""
+        `speculative` "ngram[:K]": a step may verify K tokens drafted from the row's own, greedy or
+        sampling (generation/speculative.py); `last_stats` counts verify steps and accepted drafts."""
         self._refuse_reentry()
         sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed)
         with self._lock:

@@ -162,10 +162,10 @@ def _prefill_inputs(
     return kept, input_ids, write_index, lengths
 
 
-def _uniforms(rngs: list[np.random.Generator]) -> np.ndarray:
-    """One draw a row, `[B]` float32, each from the row's own generator (its sampled tokens
-    depend on its seed alone)."""
-    return np.array([g.random(dtype=np.float32) for g in rngs], dtype=np.float32)
+def _uniforms(rngs: list[np.random.Generator], shape: tuple[int, ...]) -> np.ndarray:
+    """Uniform draws of `shape` a row, `[B, *shape]` float32, each from the row's own generator
+    (its sampled tokens depend on its seed alone): one for a step, `(T, 2)` for a verify step."""
+    return np.array([g.random(shape, dtype=np.float32) for g in rngs], dtype=np.float32)
 
 
 def _tracked(backend: StepBackend, held: list[list[int]], n_rows: int, run: Callable[..., Any], *inputs: Any) -> Any:
@@ -202,7 +202,7 @@ def generate_tokens(
     `held [B]`: the ids each row's cache holds, kept true step by step (the Generator owns it).
     With `reuse`, a row keeps the prefix of its prompt that it already holds, where that is exact
     (prefix.py), and prefills only the rest: the tokens are a whole prefill's. With `speculative`,
-    greedy decode steps verify tokens drafted from each row's own (speculative.py)."""
+    decode steps verify tokens drafted from each row's own, greedy or sampling (speculative.py)."""
     request = validate_request(backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, chunked=reuse)
     rows, max_new_tokens, sampling, stops = request.rows, request.max_new_tokens, request.sampling, request.stops
     stats = stats if stats is not None else GenerationStats()
@@ -214,9 +214,9 @@ def generate_tokens(
     # batch size or on its neighbours, and a server's request with seed s samples row 0's tokens.
     rngs = [np.random.default_rng(None if sampling.seed is None else sampling.seed + r) for r in range(batch)]
 
-    def step(ids: np.ndarray, num_new: np.ndarray) -> np.ndarray:
-        uniforms = _uniforms(rngs) if sampling.do_sample else None
-        return _tracked(backend, held, n_rows, backend.step, ids, write_index, num_new, sampling, uniforms)
+    def step(ids: np.ndarray, num_new: np.ndarray, run: Callable = backend.step, shape: tuple = ()) -> np.ndarray:
+        uniforms = _uniforms(rngs, shape) if sampling.do_sample else None
+        return _tracked(backend, held, n_rows, run, ids, write_index, num_new, sampling, uniforms)
 
     continuing, bucket = any(kept), input_ids.shape[1]
     widths = (bucket, 1) if max_new_tokens > 1 else (bucket,)
@@ -240,7 +240,7 @@ def generate_tokens(
         write_index,
         stats,
         speculator,
-        lambda ids, num_new: _tracked(backend, held, n_rows, backend.verify_step, ids, write_index, num_new),
+        lambda ids, num_new: step(ids, num_new, backend.verify_step, (ids.shape[1], 2)),
     )
     mark_cut_tails(held, cut, kept, backend.rotating_layouts)
     return out

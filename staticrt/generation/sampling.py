@@ -53,15 +53,64 @@ def sample(
 
     Sorting is stable so ties resolve the same way in every implementation.
     """
+    order, weights = _nucleus(logits, temperature, top_k, top_p)
+    return _draw(order, weights, uniform)
+
+
+def _nucleus(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`'s distribution: the token ids in descending order of their scaled logits `[N, V]`
+    and their probabilities there, zero outside the top-k and the nucleus `[N, V]` (not renormalised)."""
     vocab = logits.shape[-1]
     scaled = logits.float() / temperature[:, None]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logits, dim=-1)  # [B, V], descending
+    probs = torch.softmax(sorted_logits, dim=-1)  # [N, V], descending
     rank = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
     mass_before = torch.cumsum(probs, dim=-1) - probs
     keep = (rank < k) & (mass_before < top_p[:, None])  # the top token is always kept
-    cdf = torch.cumsum(probs * keep, dim=-1)
+    return order, probs * keep
+
+
+def _draw(order: torch.Tensor, weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The token whose slice of the cumulative `weights [N, V]` (in `order`'s token ids) holds
+    `uniform [N]` times their sum: ids `[N]`."""
+    cdf = torch.cumsum(weights, dim=-1)
     target = uniform[:, None] * cdf[:, -1:]
-    choice = (cdf <= target).sum(dim=-1).clamp(max=vocab - 1)  # first index whose cdf passes u
+    choice = (cdf <= target).sum(dim=-1).clamp(max=weights.shape[-1] - 1)  # first index whose cdf passes u
     return order.gather(-1, choice[:, None])[:, 0]
+
+
+def verify_sample(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> torch.Tensor:
+    """Speculative sampling's acceptance rule for drafts that are single tokens (prompt lookup:
+    the draft distribution q is one-hot on the drafted token x), after every position at once.
+
+    logits `[B, T, V]`; `drafts [B, T]`: the token drafted after each position, -1 where none (the
+    last position, a row's padding); `uniform [B, T, 2]`. With p the position's `sample`
+    distribution: x is kept with probability min(1, p(x) / q(x)) = p(x) (where `uniform[..., 0]` <
+    p(x)); otherwise the token is drawn, with `uniform[..., 1]`, from the residual max(0, p - q)
+    renormalised, that is p without x. A position without a draft draws from p. So each emitted
+    token follows p (Leviathan et al. 2023, Chen et al. 2023), and a rejected position's token is
+    never its draft: the host finds the first rejection as the first mismatch (`accepted`). A
+    greedy row (`top_k` 1) keeps x exactly when it is the argmax, and draws the argmax otherwise.
+    Returns ids `[B, T]` int64."""
+    batch, width, vocab = logits.shape
+    per_position = lambda value: value[:, None].expand(batch, width).reshape(-1)  # noqa: E731 - [B] -> [B*T]
+    order, weights = _nucleus(
+        logits.reshape(-1, vocab), per_position(temperature), per_position(top_k), per_position(top_p)
+    )
+    drafted = drafts.reshape(-1, 1)  # [B*T, 1]
+    is_draft = order == drafted  # [B*T, V]: where the draft sits in the order; nowhere for -1
+    p_draft = (weights * is_draft).sum(dim=-1) / weights.sum(dim=-1)
+    flat_uniform = uniform.reshape(-1, 2)
+    keep = (drafted[:, 0] >= 0) & (flat_uniform[:, 0] < p_draft)
+    redrawn = _draw(order, weights * ~is_draft, flat_uniform[:, 1])
+    return torch.where(keep, drafted[:, 0], redrawn).reshape(batch, width)

@@ -16,6 +16,12 @@ g's K/V. The emitted tokens are plain greedy decoding's, up to floating point: a
 GEMMs have k + 1 rows a row where a decode step's have one, so a near-tie between two tokens
 may resolve differently (as prefill against decode already may).
 
+A sampling generation verifies by speculative sampling's rule (`sampling.verify_sample`): a
+draft is kept with the probability the model gives it, and a rejected position draws from the
+model's distribution without the draft, so each emitted token follows the model's distribution
+as plain sampling's does (not the same tokens for a seed: the draws differ). The host reads the
+step's tokens as in the greedy case: a rejected position's token is never its draft.
+
 Drafts come from the row's own tokens (prompt lookup): what followed the latest earlier
 occurrence of its last n tokens, n from `max_ngram` down to 1, as transformers'
 `prompt_lookup_num_tokens` and llama.cpp's lookup decoding draft. Imports no torch.
@@ -131,14 +137,14 @@ class DraftPolicy:
 class Speculator:
     """Drafts and verifies for one generation's rows (`DraftPolicy` decides when)."""
 
-    def __init__(self, spec: Speculation, backend: Any, held: list[list[int]], n_rows: int) -> None:
-        self.spec, self.backend, self.held, self.n_rows = spec, backend, held, n_rows
+    def __init__(self, spec: Speculation, backend: Any, held: list[list[int]], n_rows: int, do_sample: bool) -> None:
+        self.spec, self.backend, self.held, self.n_rows, self.do_sample = spec, backend, held, n_rows, do_sample
         self.policy = DraftPolicy()
         self.written = [0] * n_rows  # each row's last position written (rejected drafts included)
 
     def prepare(self) -> float:
         """Build the verify graph (`StepBackend.prepare`); the seconds it took."""
-        return self.backend.prepare((self.spec.k + 1,), False, continuing=True, fresh=False, verify=True)
+        return self.backend.prepare((self.spec.k + 1,), self.do_sample, continuing=True, fresh=False, verify=True)
 
     def drafts(self, pending: np.ndarray, write_index: np.ndarray, done: list[bool]) -> list[np.ndarray] | None:
         """Each of the request's rows' draft (empty for a finished row), or None: take a decode step
@@ -164,7 +170,7 @@ class Speculator:
         """One verify step through `run(input_ids [B, k+1], num_new [B]) -> [B, k+1]`: the rows'
         next tokens `[B]` and each request row's emitted tokens; advances `write_index` and `held`."""
         input_ids, num_new = verify_inputs(pending, drafts, self.spec.k)
-        chosen = run(input_ids, num_new)  # [B, k+1]: the model's token after each position
+        chosen = run(input_ids, num_new)  # [B, k+1]: the token after each position (greedy, or sampled by the rule)
         emitted, next_ids = [], chosen[:, 0].copy()
         for r, draft in enumerate(drafts):
             took = accepted(draft, chosen[r])
@@ -204,13 +210,8 @@ def speculator_for(
     if speculative is None:
         return None
     spec = Speculation.parse(speculative)
-    if do_sample:
-        raise GenerationError(
-            "speculative decoding is greedy only for now (drafts are checked against the argmax); "
-            "pass do_sample=False, or speculative=None to sample"
-        )
     check_verifies(backend)
-    return Speculator(spec, backend, held, n_rows)
+    return Speculator(spec, backend, held, n_rows, do_sample)
 
 
 def check_verifies(backend: Any) -> None:
