@@ -19,6 +19,7 @@ _EXPORTS = {
     "Generator": "staticrt.generation.generator",
     "load_artifact": "staticrt.generation.generator",
     "SamplingParams": "staticrt.generation.loop",
+    "Speculation": "staticrt.generation.speculative",
     "CacheSpec": "staticrt.caches",
     "StaticCache": "staticrt.caches",
     "SlidingWindowCache": "staticrt.caches",

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from hf_models import hf_greedy
+from hf_models import hf_greedy, save_hf_model
 
 import staticrt
 from staticrt.cli.main import main
@@ -83,6 +83,99 @@ def test_compiled_speculative_sampling_draws_eagers_tokens_for_a_seed(hf_checkpo
         (1, "pick", False),
         (4, "verify_sample", False),
     }
+
+
+def drafter(hf_checkpoints, name: str = "llama-linear-tied", **options) -> staticrt.Generator:
+    """A Generator over a draft model: another tiny checkpoint with the same 256-token vocabulary."""
+    return staticrt.Generator(staticrt.load_model(hf_checkpoints[name][0]), max_cache_len=128, **options)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_draft_models_drafts_leave_transformers_greedy_tokens(hf_checkpoints, name, tmp_path):
+    """Another model drafts (llama-linear-tied; where the model's cache rotates, a rotating one of
+    the model's shape with other weights): it rarely agrees, and every token is still the model's
+    own greedy one. Two rows of different lengths: where one has wrapped its window and may draft
+    one token (`draft_room`), the other still drafts four."""
+    gen = generator(hf_checkpoints, name, max_batch_size=2)
+    if CASES[name][0] == "sliding":
+        save_hf_model(name, tmp_path, seed=1)
+        draft = staticrt.Generator(staticrt.load_model(tmp_path), cache="sliding", max_cache_len=128, max_batch_size=2)
+    else:
+        draft = drafter(hf_checkpoints, max_batch_size=2)
+    prompts = [prompt(), prompt(2)[:4]]
+    want = [hf_greedy(hf_checkpoints[name][1], p, NEW_TOKENS) for p in prompts]
+    assert gen.generate(prompts, NEW_TOKENS, speculative=draft) == want
+    assert gen.last_stats.verify_steps > 0 and gen.last_stats.drafted > 0
+
+
+def test_the_model_as_its_own_draft_has_every_draft_accepted_compiled_without_recompiling(hf_checkpoints):
+    """The draft model is the model (a second Generator over the same checkpoint): every draft is
+    accepted; both compile their graphs once, before decoding, and keep them for the next prompt
+    (which keeps its drafter's rows: the draft Generator reuses each row's prefix)."""
+    gen = generator(hf_checkpoints, "llama", "compiled", prefill_buckets=(16,))
+    draft = drafter(hf_checkpoints, "llama", backend="compiled", prefill_buckets=(16,))
+    spec = staticrt.Speculation("model", 3, drafter=draft)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (1, 2):
+            out = gen.generate([prompt(seed)], NEW_TOKENS, speculative=spec)[0]
+            assert out == hf_greedy(hf_checkpoints["llama"][1], prompt(seed), NEW_TOKENS)
+            stats = gen.last_stats
+            assert stats.verify_steps > 0 and stats.accepted == stats.drafted
+    assert set(gen.backend._graphs) == {(16, "pick", True), (1, "pick", False), (4, "verify", False)}
+    assert set(draft.backend._graphs) == {(16, "pick", True), (16, "pick", False), (1, "pick", False)}
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda hf: drafter(hf, max_batch_size=1),
+            "the draft Generator holds 1 rows, the generation 2; build it with max_batch_size=2 or more",
+        ),
+        (
+            lambda hf: staticrt.Generator(
+                staticrt.load_model(hf["llama-linear-tied"][0]), max_cache_len=64, max_batch_size=2
+            ),
+            "the draft Generator holds 64 positions a row, the model 128; build the draft Generator with a "
+            "max_cache_len of 128 or more",
+        ),
+        (
+            lambda hf: staticrt.Speculation("model", 4),
+            "speculative draft 'model' with drafter NoneType; give Speculation('ngram', K) or "
+            "Speculation('model', K, drafter=a Generator over the draft model)",
+        ),
+    ],
+)
+def test_a_draft_model_that_cannot_mirror_the_rows_is_refused_by_name(hf_checkpoints, make, message):
+    gen = generator(hf_checkpoints, "llama", max_batch_size=2)
+    with pytest.raises(GenerationError) as err:
+        gen.generate([prompt(), prompt(2)], 4, speculative=make(hf_checkpoints))
+    assert str(err.value) == message
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(hf_checkpoints, tmp_path):
+    save_hf_model("llama", tmp_path, vocab_size=300)
+    other = staticrt.Generator(staticrt.load_model(tmp_path), max_cache_len=128)
+    with pytest.raises(GenerationError) as err:
+        generator(hf_checkpoints, "llama").generate([prompt()], 4, speculative=other)
+    assert str(err.value) == (
+        "the draft model's vocabulary has 300 tokens, the model's 256; a draft model must share the model's tokenizer"
+    )
+
+
+def test_run_drafts_with_a_model_given_as_draft(hf_checkpoints, capsys):
+    ids = ",".join(map(str, prompt()))
+    folder, draft = hf_checkpoints["llama"][0], hf_checkpoints["llama-linear-tied"][0]
+    assert (
+        main(
+            ["run", "--model", str(folder), "--prompt-ids", ids, "--max-new-tokens", "24"]
+            + ["--draft", f"{draft}:2", "--json"]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"][0] == hf_greedy(hf_checkpoints["llama"][1], prompt(), 24)
+    assert out["verify_steps"] > 0 and out["drafted"] <= 2 * out["verify_steps"]
 
 
 def test_a_rows_tokens_do_not_depend_on_its_neighbours_drafts(hf_checkpoints):

@@ -157,6 +157,14 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NE
         "greedy tokens are greedy decoding's; with --do-sample, kept drafts follow the model's distribution "
         "(speculative sampling's rule), not the seed's plain tokens",
     )
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="MODEL[:K]",
+        help="speculative decoding with a draft model (a folder, preset or .gguf sharing the model's tokenizer, "
+        "in --dtype on the model's device): each step it drafts up to K tokens (default 4) greedily in a "
+        "cache of its own, and the model verifies them in one step",
+    )
 
 
 def add_speculative_arg(p: argparse.ArgumentParser, scope: str) -> None:

@@ -64,7 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "prefill_ms": 1000 * stats.prefill_s,
             "decode_ms_per_token": stats.decode_ms_per_token,  # null when one token was asked for
         }
-        if args.speculative is not None:  # how the drafts fared
+        if args.speculative is not None or args.draft is not None:  # how the drafts fared
             out.update(verify_steps=stats.verify_steps, drafted=stats.drafted, accepted=stats.accepted)
             out["tokens_per_step"] = stats.decode_tokens / len(stats.decode_s) if stats.decode_s else None
         if tokenizer is not None:

@@ -221,7 +221,7 @@ def generate_tokens(
     continuing, bucket = any(kept), input_ids.shape[1]
     widths = (bucket, 1) if max_new_tokens > 1 else (bucket,)
     stats.compile_s = backend.prepare(widths, sampling.do_sample, continuing=continuing, fresh=not continuing)
-    stats.compile_s += speculator.prepare() if speculator and max_new_tokens > 1 else 0.0
+    stats.compile_s += speculator.prepare(rows) if speculator and max_new_tokens > 1 else 0.0
     if not continuing:
         backend.reset()
     cut = [len(h) if continuing else 0 for h in held[:n_rows]]  # what a row held before it was cut back
