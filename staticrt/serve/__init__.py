@@ -111,6 +111,7 @@ def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, l
     class Draining(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
+                scheduler.refuse_new()  # at once: the drain thread below may start after a request
                 logging.getLogger("staticrt").info("stopping: no new requests; open ones have %g s to finish", drain_s)
                 threading.Thread(target=scheduler.stop, args=(drain_s,), name="staticrt-drain", daemon=True).start()
             super().handle_exit(sig, frame)

@@ -126,12 +126,17 @@ class Scheduler:
         ready()
         self._loop()
 
+    def refuse_new(self) -> None:
+        """Admit nothing new from now on: one flag that `submit` reads under the lock, written
+        without it, so that a signal handler may call this in whatever thread it interrupts."""
+        self.admitting = False
+
     def stop(self, drain_s: float = 0.0, timeout: float = 30.0) -> None:
         """Admit nothing new, let open requests finish for up to `drain_s` seconds, then stop
         stepping: what is still open gets 503 (a stream: an error event, then `[DONE]`)."""
         deadline = time.monotonic() + drain_s
+        self.refuse_new()
         with self.cond:
-            self.admitting = False
             while (self.busy_rows or self.waiting) and not self.stopped and time.monotonic() < deadline:
                 self.cond.wait(min(0.05, max(deadline - time.monotonic(), 0)))
             self.stopped = True
