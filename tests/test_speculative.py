@@ -120,9 +120,29 @@ def test_the_model_as_its_own_draft_has_every_draft_accepted_compiled_without_re
             out = gen.generate([prompt(seed)], NEW_TOKENS, speculative=spec)[0]
             assert out == hf_greedy(hf_checkpoints["llama"][1], prompt(seed), NEW_TOKENS)
             stats = gen.last_stats
-            assert stats.verify_steps > 0 and stats.accepted == stats.drafted
+            assert stats.verify_steps > 0 and stats.accepted == stats.drafted == 3 * stats.verify_steps
     assert set(gen.backend._graphs) == {(16, "pick", True), (1, "pick", False), (4, "verify", False)}
     assert set(draft.backend._graphs) == {(16, "pick", True), (16, "pick", False), (1, "pick", False)}
+
+
+def test_a_draft_models_draft_length_grows_by_two_on_a_clean_step_and_shrinks_by_one_on_a_miss():
+    """transformers' "heuristic" schedule, k = 4: kept all (stays 4), missed (3), missed (2), kept all
+    (4), missed twice (3, 2), and never below 1. Prompt lookup's stays 4 whatever happens."""
+    from staticrt.generation.speculative import Speculation, Speculator
+
+    def lengths(drafter) -> list[int]:
+        spec = Speculation("model" if drafter else "ngram", 4, drafter=drafter)
+        speculator = Speculator(spec, backend=None, held=[[]], n_rows=1, do_sample=False)
+        seen = []
+        for kept in (True, False, False, True, False, False, False, False):
+            draft = np.array([5, 6])
+            chosen = np.array([[5, 6, 9, 0, 0]]) if kept else np.array([[5, 8, 9, 0, 0]])
+            speculator.verify([draft], np.array([1]), np.array([0]), lambda ids, num_new, chosen=chosen: chosen)
+            seen.append(speculator.length)
+        return seen
+
+    assert lengths(object()) == [4, 3, 2, 4, 3, 2, 1, 1]
+    assert lengths(None) == [4] * 8
 
 
 @pytest.mark.parametrize(
@@ -423,6 +443,18 @@ def test_an_artifact_backend_is_refused_by_name_before_it_serves_or_generates():
     assert str(raised.value) == (
         "the onnx backend has no verify step for speculative decoding; use a torch model backend (eager, "
         "compiled, cudagraph), or no speculation (drop --speculative; speculative=None)"
+    )
+
+
+def test_a_server_refuses_a_draft_model_by_name_before_it_builds_anything(hf_checkpoints):
+    from staticrt.serve import serve_backend
+
+    gen = generator(hf_checkpoints, "llama")
+    with pytest.raises(GenerationError) as raised:
+        serve_backend(gen.backend, speculative=staticrt.Speculation("model", 4, drafter=drafter(hf_checkpoints)))
+    assert str(raised.value) == (
+        "serve drafts by prompt lookup only (a draft model's rows would have to follow the server's); "
+        "pass speculative='ngram[:K]'"
     )
 
 

@@ -174,12 +174,18 @@ class DraftPolicy:
 
 
 class Speculator:
-    """Drafts and verifies for one generation's rows (`DraftPolicy` decides when)."""
+    """Drafts and verifies for one generation's rows (`DraftPolicy` decides when).
+
+    A draft model's draft length adapts as transformers' assisted generation's "heuristic"
+    schedule does: +2 after a step that kept every draft, -1 after one that did not, within
+    [1, k]. Each drafted token costs a draft model's decode step, so a drafter that keeps missing
+    spends one step a verify step; prompt lookup drafts for free and always offers all k."""
 
     def __init__(self, spec: Speculation, backend: Any, held: list[list[int]], n_rows: int, do_sample: bool) -> None:
         self.spec, self.backend, self.held, self.n_rows, self.do_sample = spec, backend, held, n_rows, do_sample
         self.policy = DraftPolicy()
         self.written = [0] * n_rows  # each row's last position written (rejected drafts included)
+        self.length = spec.k  # tokens a row drafts at most this step
 
     def prepare(self, rows: list[list[int]]) -> float:
         """Build the verify graph (`StepBackend.prepare`) and warm the drafter (`Speculation.warm`:
@@ -195,7 +201,7 @@ class Speculator:
         limit, layouts = self.backend.max_sequence_len, self.backend.rotating_layouts
         if limit is not None and int(write_index.max()) + self.spec.k + 1 > limit:
             return None
-        rooms = [0 if done[r] else draft_room(int(write_index[r]), self.spec.k, layouts) for r in range(self.n_rows)]
+        rooms = [0 if done[r] else draft_room(int(write_index[r]), self.length, layouts) for r in range(self.n_rows)]
         if not any(rooms):
             return None
         contexts = [np.array([*self.held[r], int(pending[r])], dtype=np.int64) for r in range(self.n_rows)]
@@ -209,15 +215,18 @@ class Speculator:
         next tokens `[B]` and each request row's emitted tokens; advances `write_index` and `held`."""
         input_ids, num_new = verify_inputs(pending, drafts, self.spec.k)
         chosen = run(input_ids, num_new)  # [B, k+1]: the token after each position (greedy, or sampled by the rule)
-        emitted, next_ids = [], chosen[:, 0].copy()
+        emitted, next_ids, kept_all = [], chosen[:, 0].copy(), True
         for r, draft in enumerate(drafts):
             took = accepted(draft, chosen[r])
+            kept_all &= took == len(draft)
             emitted.append(chosen[r, : took + 1].tolist())
             next_ids[r] = chosen[r, took]
             self.written[r] = max(self.written[r], int(write_index[r]) + len(draft))
             del self.held[r][int(write_index[r]) + took + 1 :]  # the step held every fed token
             write_index[r] += took + 1
         write_index[len(drafts) :] += 1
+        if self.spec.drafter is not None:
+            self.length = min(self.length + 2, self.spec.k) if kept_all else max(self.length - 1, 1)
         return next_ids, emitted
 
     def finish(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import GenerationError
 from ..generation.buckets import bucket_for
 from ..generation.loop import StepBackend
 from ..generation.speculative import DraftPolicy, Speculation, draft_for
@@ -24,6 +25,13 @@ class Drafting:
 
     spec: Speculation
     policy: DraftPolicy = field(default_factory=DraftPolicy)
+
+    def __post_init__(self) -> None:
+        if self.spec.drafter is not None:
+            raise GenerationError(
+                "serve drafts by prompt lookup only (a draft model's rows would have to follow the server's); "
+                "pass speculative='ngram[:K]'"
+            )
 
 
 def plan_step(
