@@ -53,6 +53,7 @@ class ServeBenchRequest:
     turns: int = 4
     system_len: int = 200  # the chat workload's shared system prompt, in tokens
     speculative: str | None = None  # also staticrt serve --speculative (the load's requests are greedy)
+    replicas: int | None = None  # also staticrt serve --replicas N (Ray Serve), each replica the same rows
 
     @property
     def max_cache_len(self) -> int:
@@ -227,6 +228,11 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
             on_stage(f"staticrt serve --speculative {request.speculative} ({len(load)} requests)")
             command = [*staticrt_command(folder, request), "--speculative", request.speculative]
             results["staticrt_speculative"] = measure_server(command, "bench", request, load)
+        if request.replicas:
+            on_stage(f"staticrt serve --replicas {request.replicas} on a local Ray instance ({len(load)} requests)")
+            command = [*staticrt_command(folder, request), "--replicas", str(request.replicas)]
+            command += ["--replica-cpus", str(request.threads or 1)]
+            results["staticrt_ray"] = measure_server(command, "bench", request, load)
         if request.transformers:
             on_stage(f"transformers serve --continuous-batching ({len(load)} requests)")
             try:
@@ -241,11 +247,11 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
     ratios = {
         f"staticrt_vs_{k}": rates["staticrt"] / rate
         for k, rate in rates.items()
-        if k not in ("staticrt", "staticrt_speculative") and rate
+        if k not in ("staticrt", "staticrt_speculative", "staticrt_ray") and rate
     }
     settings = {**request.__dict__, "max_cache_len": request.max_cache_len}
     report = {"settings": settings, "machine": machine(), "results": results, "throughput_ratios": ratios}
-    return {**report, **speculative_ratios(results)}
+    return {**report, **speculative_ratios(results), **ray_ratios(results)}
 
 
 def speculative_ratios(results: dict[str, Any]) -> dict[str, Any]:
@@ -258,5 +264,18 @@ def speculative_ratios(results: dict[str, Any]) -> dict[str, Any]:
         "speculative_ratios": {
             "throughput_speculative_over_plain": on["output_tokens_per_s"] / off["output_tokens_per_s"],
             "tpot_p50_plain_over_speculative": tpot_off / tpot_on if tpot_on and tpot_off else None,
+        }
+    }
+
+
+def ray_ratios(results: dict[str, Any]) -> dict[str, Any]:
+    """With replicas on Ray beside the plain server: what Ray adds to TTFT and takes from throughput."""
+    on, off = results.get("staticrt_ray"), results["staticrt"]
+    if on is None:
+        return {}
+    return {
+        "ray_ratios": {
+            "throughput_ray_over_plain": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+            "ttft_p50_ms_added_by_ray": on["ttft"]["p50_ms"] - off["ttft"]["p50_ms"],
         }
     }

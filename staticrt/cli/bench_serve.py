@@ -37,6 +37,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         turns=args.turns,
         system_len=args.system_len,
         speculative=args.speculative,
+        replicas=args.replicas,
     )
     with progress("bench-serve") as update:
         report = (run_chat_bench if request.workload == "chat" else run_serve_bench)(request, on_stage=update)
@@ -79,3 +80,9 @@ def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
         console.print(f"throughput {key}: {value:.2f}x")
     for key, value in {**report.get("reuse_ratios", {}), **report.get("speculative_ratios", {})}.items():
         console.print(f"{key.replace('_', ' ')}: {value:.2f}x" if value is not None else f"{key}: -")
+    ray = report.get("ray_ratios")
+    if ray:
+        console.print(
+            f"Ray: throughput {ray['throughput_ray_over_plain']:.2f}x the plain server's, "
+            f"TTFT p50 {ray['ttft_p50_ms_added_by_ray']:+.1f} ms"
+        )

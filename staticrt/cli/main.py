@@ -223,6 +223,8 @@ COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module, name = COMMANDS[args.command]
+    if args.command == "serve" and (args.replicas is not None or args.ray_address is not None):
+        module, name = "staticrt.cli.serve_replicas", "cmd_serve_replicas"  # replicas on Ray Serve
     show_log()
     try:
         return getattr(importlib.import_module(module), name)(args)

@@ -28,22 +28,29 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def build_server(args: argparse.Namespace) -> tuple[Any, Any]:
     """The app and its scheduler over --model or the artifact."""
-    from ..serve import serve_backend
+    from ..serve.app import create_app
 
     key = api_key(args)
+    scheduler, limits = build_scheduler(args)
+    return create_app(scheduler, limits, api_key=key, stream_interval=args.stream_interval), scheduler
+
+
+def build_scheduler(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The scheduler over --model or the artifact, every graph built, and its requests' limits:
+    what `staticrt serve` and each Ray replica (`--replicas`) run."""
+    from ..serve import schedule_backend
+
     source = open_source(args)
     backend = bind(source, args, args.max_batch_size, None, args.prefill_buckets).backend
     # a model prefills each prompt alone in a batch-1 twin of the cache; an artifact has one batch size
     prefiller = None if source.artifact is not None else bind(source, args, 1, None, args.prefill_buckets).backend
-    return serve_backend(
+    return schedule_backend(
         backend,
         source.tokenizer,
         args.served_model_name or os.path.basename(os.path.normpath(source.name)),
         source.defaults,
         args.max_queue,
-        key,
         prefiller,
-        args.stream_interval,
         not args.no_prefix_reuse,
         args.speculative,
     )

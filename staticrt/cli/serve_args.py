@@ -30,6 +30,7 @@ def _add_serve_parser(sub: Any) -> None:
         epilog="examples:\n"
         "  staticrt serve --model models/smollm2 --backend compiled --max-batch-size 8\n"
         "  staticrt serve artifacts/smollm2 --backend onnx --port 8000   # ONNX Runtime, no torch\n"
+        "  staticrt serve artifacts/smollm2 --backend onnx --replicas 2 --threads 1   # 2 processes on Ray\n"
         "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         '      -d \'{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}]}\'\n'
         "Each of the cache's rows holds one request; a new request is prefilled into a free row while\n"
@@ -64,6 +65,38 @@ def _add_serve_parser(sub: Any) -> None:
         "--served-model-name", default=None, help="the model id clients send (default: the folder's name)"
     )
     _add_serving_policy(serve)
+    _add_replica_args(serve)
+
+
+def _add_replica_args(serve: Any) -> None:
+    """Replicas on Ray Serve (the ray extra): one scheduler a replica, behind one OpenAI ingress."""
+    ray = serve.add_argument_group(
+        "replicas on Ray Serve (pip install 'staticrt[ray]')",
+        "--replicas N serves from N processes, each its own cache's rows, behind one OpenAI ingress: on a local "
+        "Ray instance, or on a running cluster (`ray start --head` there) with --ray-address. A request goes to "
+        "the replica holding its prompt's prefix while loads are even; one whose replica dies before it streamed "
+        "is sent to another.",
+    )
+    ray.add_argument(
+        "--replicas", type=POSITIVE, default=None, metavar="N", help="replicas (the least, with --max-replicas)"
+    )
+    ray.add_argument("--max-replicas", type=POSITIVE, default=None, metavar="N", help="scale up to this many on load")
+    ray.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        metavar="N",
+        help="requests a replica should hold when scaling (default: its rows)",
+    )
+    ray.add_argument(
+        "--ray-address", default=None, metavar="ADDRESS", help="a running Ray cluster, e.g. ray://head:10001 or auto"
+    )
+    ray.add_argument(
+        "--replica-cpus", type=float, default=1.0, metavar="N", help="CPUs Ray reserves a replica (default 1)"
+    )
+    ray.add_argument(
+        "--replica-gpus", type=float, default=0.0, metavar="N", help="GPUs Ray reserves a replica (default 0)"
+    )
 
 
 def _add_serving_policy(serve: Any) -> None:
@@ -170,4 +203,10 @@ def _add_bench_workload(bench: Any) -> None:
         default=None,
         metavar="ngram[:K]",
         help="also measure staticrt serve with --speculative (greedy requests), beside it without",
+    )
+    bench.add_argument(
+        "--replicas",
+        type=POSITIVE,
+        default=None,
+        help="also measure staticrt serve --replicas N on a local Ray instance (the ray extra): what Ray adds",
     )

@@ -30,17 +30,37 @@ def serve_backend(
     reuse_prefix: bool = True,
     speculative: Any = None,
 ) -> tuple[Any, Any]:
-    """The app serving `backend` (a Generator's `.backend`) as model `name`, and its scheduler.
+    """The app serving `backend` (a Generator's `.backend`) as model `name`, and its scheduler
+    (`schedule_backend` says what the other arguments do)."""
+    scheduler, limits = schedule_backend(
+        backend, tokenizer, name, defaults, max_queue, prefiller, reuse_prefix, speculative
+    )
+    from .app import create_app
+
+    return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
+
+
+def schedule_backend(
+    backend: Any,
+    tokenizer: Any = None,
+    name: str = "model",
+    defaults: GenerationDefaults | None = None,
+    max_queue: int = 64,
+    prefiller: Any = None,
+    reuse_prefix: bool = True,
+    speculative: Any = None,
+) -> tuple[Any, Any]:
+    """A scheduler over `backend`'s rows with every graph it needs built, and the limits its
+    requests are checked against: what a server (`serve_backend`) or a Ray replica (ray.py) runs.
     `prefiller`: a batch-1 backend over the same model and cache layout (a model backend's, built
     like `backend`), which prefills each prompt alone; without it prompts prefill in `backend`.
-    `stream_interval`: tokens a streamed chunk after the first (fewer HTTP events a token).
     `reuse_prefix`: a request keeps the prefix its row holds (rows.py) and prefills the rest from
     there, in chunks of the prefiller's continuing graphs up to REUSE_WIDTH (`reuse_widths`).
     `speculative` ("ngram[:K]"): greedy rows verify tokens drafted from their own (planning.py).
     Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
     so that no request waits for a compile and no compile stalls the rows being served."""
     try:
-        from .app import create_app
+        from . import app  # noqa: F401  (FastAPI: the extra is whole before anything is built)
         from .planning import Drafting
         from .protocol import Limits
         from .scheduler import Scheduler
@@ -73,7 +93,7 @@ def serve_backend(
     scheduler = Scheduler(
         backend, tokenizer, max_queue, prefiller=prefiller, reuse_prefix=reuse_prefix, widest=widest, drafting=drafting
     )
-    return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
+    return scheduler, limits
 
 
 # The widest step that continues a kept prefix in a model's prefiller (a longer rest goes in chunks

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -71,14 +72,15 @@ class Guard:
 
 
 def create_app(
-    scheduler: Scheduler,
+    scheduler: Scheduler | Any,
     limits: Limits,
     api_key: str | None = None,
     max_body: int = MAX_BODY,
     stream_interval: int = 1,
 ) -> FastAPI:
     """An app serving `scheduler`; its lifespan starts the scheduler and stops it. A streamed
-    answer sends its first token at once, then `stream_interval` tokens a chunk."""
+    answer sends its first token at once, then `stream_interval` tokens a chunk. `scheduler` may
+    also be Ray replicas (ray.py: `Replicas`), which admit a request asynchronously."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,13 +91,12 @@ def create_app(
     if api_key is not None and not api_key:  # "" would compare equal to an empty Bearer header
         raise ConfigError("the API key is empty, which would leave the server open; pass a key, or None for no key")
     app = FastAPI(title="staticrt", lifespan=lifespan)
-    scheduler.metrics.rows.set(len(scheduler.rows))
 
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "busy_rows": scheduler.busy_rows, "queue": len(scheduler.waiting)}
+        return scheduler.health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -142,6 +143,8 @@ async def _complete(
     try:
         stream, usage, completion = await asyncio.to_thread(_parse, bytes(raw), scheduler.tokenizer, limits, chat)
         job = scheduler.submit(completion, emit, stream_interval if stream else 0)  # whole: one event at its end
+        if inspect.isawaitable(job):  # replicas (ray.py) admit through a handle call
+            job = await job
     except BadRequest as err:
         return _error(400, str(err), err.param)
     except GenerationError as err:

@@ -78,6 +78,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.rows: list[Job | None] = [None] * backend.batch_size
+        self.metrics.rows.set(len(self.rows))
         self.memory = RowMemory(backend, reuse_prefix, widest)
         self.drafting = drafting
         self.waiting: deque[Job] = deque()
@@ -143,6 +144,10 @@ class Scheduler:
             self.cond.notify()
         if self.thread.is_alive():
             self.thread.join(timeout)
+
+    def health(self) -> dict[str, Any]:
+        """What `GET /health` answers."""
+        return {"status": "ok", "busy_rows": self.busy_rows, "queue": len(self.waiting)}
 
     @property
     def busy_rows(self) -> int:

@@ -1,0 +1,254 @@
+"""`staticrt serve --replicas 2` on a local Ray instance on loopback, as a user starts it: the
+official `openai` client gets `staticrt run`'s greedy tokens from either replica, a burst past
+every row and queue gets 429s while the rest complete, and a replica killed by its pid mid-load
+loses no request that had not streamed, ends the streams it held with an error event, and is
+replaced. One server for the module: Ray takes tens of seconds to start on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+import staticrt
+
+# Ray's own config classes warn of pydantic deprecations on import
+pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning:ray")]
+
+from serving import client  # noqa: E402
+
+MODEL, ROWS, QUEUE = "tiny-llama", 2, 2
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8], [9, 4], [11, 12, 13, 14, 15]]
+
+
+class Server(str):
+    """The Ray app's base URL, with the `staticrt serve` process behind it."""
+
+    proc: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The Ray app; the server is stopped by SIGTERM (it drains and stops Ray), then killed."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", MODEL, "--port", str(port), "--replicas", "2"]
+    command += ["--max-batch-size", str(ROWS), "--max-queue", str(QUEUE), "--threads", "1", "--max-cache-len", "512"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    logged: list[str] = []
+    threading.Thread(target=lambda: [logged.append(line) for line in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.monotonic() + 300  # Ray's processes, then two replicas building their graphs
+        while not any(line.startswith("serving tiny-llama on") for line in logged):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(logged[-40:])
+            time.sleep(0.2)
+        url = Server(f"http://127.0.0.1:{port}")
+        url.proc = proc
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """`staticrt run`'s greedy tokens: each prompt alone in an eager Generator."""
+    gen = staticrt.Generator(staticrt.load_model(MODEL), max_batch_size=1, max_cache_len=512)
+    return {tuple(p): gen.generate([p], max_new_tokens=400)[0] for p in PROMPTS}
+
+
+def replicas(url: str) -> dict[str, int]:
+    """The replicas the ingress has seen admit a request: name (with its pid) -> requests."""
+    return httpx.get(f"{url}/health").json()["replicas"]
+
+
+def pid(name: str) -> int:
+    return int(re.search(r"\(pid (\d+)\)", name).group(1))
+
+
+def until(check, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"no {what} within {seconds} s"
+        time.sleep(0.1)
+    return result
+
+
+def stream(url: str, prompt: list[int], max_tokens: int, started: threading.Event | None = None) -> dict:
+    """A streamed completion: the tokens it got, and the error event that ended it, if one did."""
+    body = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+    tokens, error = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+        assert reply.status_code == 200, reply.read()
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+            else:
+                tokens += event["choices"][0]["token_ids"]
+                if started is not None and tokens:
+                    started.set()
+    return {"tokens": tokens, "error": error}
+
+
+def test_the_openai_client_gets_run_s_tokens_from_both_replicas(server, expected):
+    api = client(server, timeout=120)
+
+    def ask(i: int) -> list[int]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            chunks = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+            return [t for c in chunks for t in c.choices[0].token_ids]
+        return api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0).choices[0].token_ids
+
+    n = 2 * ROWS + QUEUE  # at once: every row of both replicas, and Ray's queue
+    with ThreadPoolExecutor(n) as pool:
+        answers = list(pool.map(ask, range(n)))
+    assert answers == [expected[tuple(PROMPTS[i % len(PROMPTS)])][:24] for i in range(n)]
+    served = replicas(server)
+    assert len(served) == 2 and all(n > 0 for n in served.values()), served
+    metrics = httpx.get(f"{server}/metrics").text
+    for name, n in served.items():
+        assert f'staticrt_replica_requests_total{{replica="{name}"}} {float(n)}' in metrics
+
+
+def test_a_burst_past_every_row_and_queue_gets_429_and_the_rest_complete(server, expected):
+    prompt = PROMPTS[0]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=200, temperature=0)
+
+    def send(_: int) -> httpx.Response:
+        return httpx.post(f"{server}/v1/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(send, range(16)))
+    codes = [r.status_code for r in replies]
+    assert set(codes) == {200, 429} and codes.count(200) >= 2 * ROWS + QUEUE, codes
+    for reply in replies:
+        if reply.status_code == 200:
+            assert reply.json()["choices"][0]["token_ids"] == expected[tuple(prompt)][:200]
+        else:
+            assert reply.json()["error"]["message"].startswith("every replica's rows and the queue are full")
+            assert reply.headers["retry-after"] == "1"
+
+
+def _replaced(url: str, dead: str, seen: set[str]) -> None:
+    """Until a replica the ingress has not seen before admits a request (bounded): Ray's controller
+    starts one in the dead one's place, which then builds its graphs."""
+    api, probes = client(url, timeout=60), iter(range(10_000))
+
+    def new_one() -> bool:  # a prompt no row holds each time: the prefix router would send a seen one back
+        k = next(probes)
+        api.completions.create(model=MODEL, prompt=[100 + k % 100, 7, k // 100 + 1], max_tokens=2, temperature=0)
+        return bool(set(replicas(url)) - seen - {dead})
+
+    until(new_one, 180, "replacement replica serving")
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_streamed_and_is_replaced(server, expected):
+    # Whole answers, one a row of each replica: the two on the replica killed go to the other.
+    before, retried = replicas(server), _metric(server, "staticrt_replica_retries_total")
+    wanted = [PROMPTS[i] for i in range(2 * ROWS)]
+    with ThreadPoolExecutor(2 * ROWS) as pool:
+        body = lambda p: dict(model=MODEL, prompt=p, max_tokens=400, temperature=0)  # noqa: E731
+        futures = [pool.submit(httpx.post, f"{server}/v1/completions", json=body(p), timeout=120) for p in wanted]
+        until(lambda: httpx.get(f"{server}/health").json()["open_requests"] == 2 * ROWS, 60, "4 requests admitted")
+        victim = _live(server)[0]
+        os.kill(pid(victim), signal.SIGKILL)
+        replies = [f.result() for f in futures]
+    assert [r.status_code for r in replies] == [200] * len(wanted), [r.text for r in replies]
+    assert [r.json()["choices"][0]["token_ids"] for r in replies] == [expected[tuple(p)] for p in wanted]
+    assert _metric(server, "staticrt_replica_retries_total") >= retried + ROWS
+    _replaced(server, victim, set(before))
+
+    # Streams, one a row of each replica, all under way: the two on the replica killed end in an error.
+    before, lost = replicas(server), _metric(server, "staticrt_replica_lost_streams_total")
+    started = [threading.Event() for _ in range(2 * ROWS)]
+    with ThreadPoolExecutor(2 * ROWS) as pool:
+        futures = [pool.submit(stream, server, PROMPTS[i], 400, started[i]) for i in range(2 * ROWS)]
+        until(lambda: all(s.is_set() for s in started), 60, "4 streams under way")
+        victim = _live(server)[0]
+        os.kill(pid(victim), signal.SIGKILL)
+        results = [f.result() for f in futures]
+    ended = [r for r in results if r["error"] is not None]
+    assert len(ended) == ROWS, results
+    for i, result in enumerate(results):
+        full = expected[tuple(PROMPTS[i])]
+        if result["error"] is None:
+            assert result["tokens"] == full
+        else:
+            assert result["error"].startswith("the replica serving this request died after")
+            assert 0 < len(result["tokens"]) < len(full) and result["tokens"] == full[: len(result["tokens"])]
+    assert _metric(server, "staticrt_replica_lost_streams_total") == lost + ROWS
+    _replaced(server, victim, set(before))
+
+
+def _live(url: str) -> list[str]:
+    """The replicas seen whose process is still there."""
+    alive = []
+    for name in replicas(url):
+        try:
+            os.kill(pid(name), 0)
+            alive.append(name)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _metric(url: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", httpx.get(f"{url}/metrics").text, re.M).group(1))
+
+
+def test_sigterm_lets_open_streams_finish_then_stops_ray(server, expected):
+    """The module's last test: SIGTERM mid-stream, and the stream still gets every token."""
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(stream, server, PROMPTS[1], 400, started)
+        until(started.is_set, 60, "stream under way")
+        server.proc.send_signal(signal.SIGTERM)
+        assert answer.result() == {"tokens": expected[tuple(PROMPTS[1])], "error": None}
+    assert server.proc.wait(90) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-queue", "0"], "Ray queues at least one request for a replica's rows: pass --max-queue 1 or more"),
+        (
+            ["--max-replicas", "1"],
+            "--max-replicas 1 is below --replicas 2, the least Ray keeps; raise it, or leave it out for a fixed count",
+        ),
+        (
+            ["--warmup-only"],
+            "--warmup-only builds the compile cache in this process: run it without --replicas, then start the "
+            "replicas",
+        ),
+    ],
+)
+def test_replica_flags_that_cannot_work_are_refused_before_ray_starts(flags, message, capsys):
+    from staticrt.cli.main import main
+
+    assert main(["serve", "--model", MODEL, "--replicas", "2", *flags]) == 2
+    assert capsys.readouterr().err == f"staticrt serve: {message}\n"
+
+
+def test_serving_without_replicas_imports_no_ray():
+    code = "import sys, staticrt.serve, staticrt.serve.app, staticrt.cli.serve; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"
