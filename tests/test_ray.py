@@ -109,6 +109,22 @@ def stream(url: str, prompt: list[int], max_tokens: int, started: threading.Even
     return {"tokens": tokens, "error": error}
 
 
+def test_a_prompt_that_shares_a_prefix_goes_to_the_replica_whose_row_holds_it(server):
+    """The module's first test, while Ray's prefix tree is empty: four 40-token prefixes spread
+    over the two replicas' four rows, then each again with more after it finds its own row (the
+    usage says how many prompt tokens were kept). Sent one at a time, so loads stay even; routed
+    at random, about half would land on the other replica and keep nothing."""
+    api = client(server, timeout=60)
+    prefixes = [list(range(30 * i + 1, 30 * i + 41)) for i in range(4)]
+    for prefix in prefixes:
+        first = api.completions.create(model=MODEL, prompt=prefix, max_tokens=4, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert sorted(replicas(server).values()) == [2, 2]
+    for prefix in prefixes:
+        again = api.completions.create(model=MODEL, prompt=[*prefix, 3, 2], max_tokens=4, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens >= len(prefix)
+
+
 def test_the_openai_client_gets_run_s_tokens_from_both_replicas(server, expected):
     api = client(server, timeout=120)
 
