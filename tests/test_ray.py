@@ -50,7 +50,9 @@ def server():
     logged: list[str] = []
     threading.Thread(target=lambda: [logged.append(line) for line in proc.stdout], daemon=True).start()
     try:
-        deadline = time.monotonic() + 300  # Ray's processes, then two replicas building their graphs
+        # Ray's processes, then two replicas building their graphs: 13-22 s here, 197 s with two busy
+        # loops beside it on 2 cores
+        deadline = time.monotonic() + 600
         while not any(line.startswith("serving tiny-llama on") for line in logged):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(logged[-40:])
             time.sleep(0.2)
@@ -175,36 +177,41 @@ def _replaced(url: str, dead: str, seen: set[str]) -> None:
         api.completions.create(model=MODEL, prompt=[100 + k % 100, 7, k // 100 + 1], max_tokens=2, temperature=0)
         return bool(set(replicas(url)) - seen - {dead})
 
-    until(new_one, 180, "replacement replica serving")
+    until(new_one, 600, "replacement replica serving")  # ~10 s here; minutes with busy loops beside it
 
 
 def test_a_killed_replica_loses_no_request_that_had_not_streamed_and_is_replaced(server, expected):
-    # Whole answers, one a row of each replica: the two on the replica killed go to the other.
+    """Where each request lands is Ray's router's to choose (prefix affinity may put three on one
+    replica and queue one), so the replica killed is one holding requests, read from /health."""
+    # Whole answers: those the killed replica held had streamed nothing, and go to another.
     before, retried = replicas(server), _metric(server, "staticrt_replica_retries_total")
     wanted = [PROMPTS[i] for i in range(2 * ROWS)]
     with ThreadPoolExecutor(2 * ROWS) as pool:
         body = lambda p: dict(model=MODEL, prompt=p, max_tokens=400, temperature=0)  # noqa: E731
-        futures = [pool.submit(httpx.post, f"{server}/v1/completions", json=body(p), timeout=120) for p in wanted]
-        until(lambda: httpx.get(f"{server}/health").json()["open_requests"] == 2 * ROWS, 60, "4 requests admitted")
-        victim = _live(server)[0]
+        futures = [pool.submit(httpx.post, f"{server}/v1/completions", json=body(p), timeout=300) for p in wanted]
+        victim = until(lambda: _holding(server, before), 120, "a replica holding a request")
         os.kill(pid(victim), signal.SIGKILL)
         replies = [f.result() for f in futures]
     assert [r.status_code for r in replies] == [200] * len(wanted), [r.text for r in replies]
     assert [r.json()["choices"][0]["token_ids"] for r in replies] == [expected[tuple(p)] for p in wanted]
-    assert _metric(server, "staticrt_replica_retries_total") >= retried + ROWS
+    assert _metric(server, "staticrt_replica_retries_total") > retried
     _replaced(server, victim, set(before))
 
-    # Streams, one a row of each replica, all under way: the two on the replica killed end in an error.
+    # Streams: those under way on the killed replica end in an error event after a true prefix.
     before, lost = replicas(server), _metric(server, "staticrt_replica_lost_streams_total")
     started = [threading.Event() for _ in range(2 * ROWS)]
     with ThreadPoolExecutor(2 * ROWS) as pool:
         futures = [pool.submit(stream, server, PROMPTS[i], 400, started[i]) for i in range(2 * ROWS)]
-        until(lambda: all(s.is_set() for s in started), 60, "4 streams under way")
-        victim = _live(server)[0]
+
+        def all_admitted_under_way() -> str | None:
+            admitted = sum(_admitted_since(server, before).values())  # read before the streams' first tokens
+            return _holding(server, before) if admitted == sum(s.is_set() for s in started) else None
+
+        victim = until(all_admitted_under_way, 120, "admitted streams under way")
         os.kill(pid(victim), signal.SIGKILL)
         results = [f.result() for f in futures]
-    ended = [r for r in results if r["error"] is not None]
-    assert len(ended) == ROWS, results
+    ended = sum(r["error"] is not None for r in results)
+    assert ended >= 1 and _metric(server, "staticrt_replica_lost_streams_total") == lost + ended, results
     for i, result in enumerate(results):
         full = expected[tuple(PROMPTS[i])]
         if result["error"] is None:
@@ -212,8 +219,19 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed_and_is_replaced
         else:
             assert result["error"].startswith("the replica serving this request died after")
             assert 0 < len(result["tokens"]) < len(full) and result["tokens"] == full[: len(result["tokens"])]
-    assert _metric(server, "staticrt_replica_lost_streams_total") == lost + ROWS
     _replaced(server, victim, set(before))
+
+
+def _admitted_since(url: str, before: dict[str, int]) -> dict[str, int]:
+    """Requests each live replica admitted since the /health reading `before`."""
+    now = replicas(url)
+    return {name: now[name] - before.get(name, 0) for name in _live(url)}
+
+
+def _holding(url: str, before: dict[str, int]) -> str | None:
+    """A live replica that admitted requests since `before` (the one that admitted most)."""
+    admitted = _admitted_since(url, before)
+    return max(admitted, key=admitted.get) if any(admitted.values()) else None
 
 
 def _live(url: str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import threading
 from pathlib import Path
@@ -15,6 +16,10 @@ from .console import console
 from .serve import api_key, build_scheduler
 
 APP = "staticrt"
+# Ray's controller kills an HTTP proxy that is not ready in 5 s (or misses health checks of 10 s),
+# and `serve.start` then fails: on 2 cores with two busy loops beside it the proxy took longer.
+PATIENT_RAY = ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S")
+PATIENT_RAY_S = 60
 
 
 def replica_plan(args: argparse.Namespace) -> Any:
@@ -68,6 +73,8 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     if args.threads is None:  # each replica's torch or ONNX Runtime on the cores Ray gives it
         args.threads = max(1, int(plan.cpus))
     app = application(functools.partial(build_scheduler, args), plan, key, args.stream_interval)
+    for name in PATIENT_RAY:  # a local instance's processes inherit them; a cluster keeps its own
+        os.environ.setdefault(name, str(PATIENT_RAY_S))
     ray.init(address=args.ray_address, include_dashboard=False, namespace=APP, log_to_driver=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

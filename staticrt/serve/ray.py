@@ -88,7 +88,8 @@ class Engine:
             job.cancel()  # the client left, or the job is over (a no-op then)
 
     def __del__(self) -> None:  # Ray calls it once the replica's requests drained
-        self.scheduler.stop()
+        if hasattr(self, "scheduler"):  # not when `build` failed
+            self.scheduler.stop()
 
 
 def _status(err: StaticrtError) -> int:
@@ -218,6 +219,9 @@ class Ingress:
 
 # The ingress passes every request on at once; the engine's rows and Ray's queue bound them.
 INGRESS_OPEN = 10_000
+# Seconds a replica may take to answer Ray's health check (default 30) before it is replaced: a
+# step holding the GIL on a loaded 2-core machine delays the answer, and a replacement costs a build.
+HEALTH_CHECK_S = 60
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,7 @@ class ReplicaPlan:
             max_queued_requests=self.ray_queue,
             ray_actor_options={"num_cpus": self.cpus, "num_gpus": self.gpus},
             graceful_shutdown_timeout_s=self.drain_s,
+            health_check_timeout_s=HEALTH_CHECK_S,
         )
         if self.max_replicas is not None and self.max_replicas > self.replicas:
             target = self.target_ongoing or self.rows
@@ -277,5 +282,6 @@ def application(
         max_ongoing_requests=INGRESS_OPEN,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=plan.drain_s + 5,
+        health_check_timeout_s=HEALTH_CHECK_S,
     )
     return ingress.bind(engine, api_key, stream_interval)
