@@ -75,7 +75,8 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     app = application(functools.partial(build_scheduler, args), plan, key, args.stream_interval)
     for name in PATIENT_RAY:  # a local instance's processes inherit them; a cluster keeps its own
         os.environ.setdefault(name, str(PATIENT_RAY_S))
-    ray.init(address=args.ray_address, include_dashboard=False, namespace=APP, log_to_driver=True)
+    # "local": an instance of this command's own, never one another process left running here
+    ray.init(address=args.ray_address or "local", include_dashboard=False, namespace=APP, log_to_driver=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
