@@ -6,6 +6,7 @@ replaced. One server for the module: Ray takes tens of seconds to start on 2 cor
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -177,11 +178,10 @@ def test_a_burst_past_every_row_and_queue_gets_429_and_the_rest_complete(server,
 def _replaced(url: str, dead: str, seen: set[str]) -> None:
     """Until a replica the ingress has not seen before admits a request (bounded): Ray's controller
     starts one in the dead one's place, which then builds its graphs."""
-    api, probes = client(url, timeout=60), iter(range(10_000))
+    api = client(url, timeout=60)
 
-    def new_one() -> bool:  # a prompt no row holds each time: the prefix router would send a seen one back
-        k = next(probes)
-        api.completions.create(model=MODEL, prompt=[100 + k % 100, 7, k // 100 + 1], max_tokens=2, temperature=0)
+    def new_one() -> bool:
+        api.completions.create(model=MODEL, prompt=_probe(next(PROBES)), max_tokens=2, temperature=0)
         return bool(set(replicas(url)) - seen - {dead})
 
     until(new_one, 600, "replacement replica serving", url.logged)  # ~10 s here; minutes with busy loops beside it
@@ -239,6 +239,15 @@ def _holding(url: str, before: dict[str, int]) -> str | None:
     """A live replica that admitted requests since `before` (the one that admitted most)."""
     admitted = _admitted_since(url, before)
     return max(admitted, key=admitted.get) if any(admitted.values()) else None
+
+
+PROBES = itertools.count()  # across the module: a probe sent again would go back where it went
+
+
+def _probe(k: int) -> list[int]:
+    """The k-th of prompts that share at most their first token (1 in 20, under the 10% at which
+    Ray's prefix router follows a match): each goes to the replica holding the fewest prompts."""
+    return [200 + k % 300, 200 + k // 300, *[7] * 18]
 
 
 def _live(url: str) -> list[str]:
