@@ -247,7 +247,7 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
     ratios = {
         f"staticrt_vs_{k}": rates["staticrt"] / rate
         for k, rate in rates.items()
-        if k not in ("staticrt", "staticrt_speculative", "staticrt_ray") and rate
+        if not k.startswith("staticrt") and rate  # staticrt's other runs have their own ratios
     }
     settings = {**request.__dict__, "max_cache_len": request.max_cache_len}
     report = {"settings": settings, "machine": machine(), "results": results, "throughput_ratios": ratios}
