@@ -229,6 +229,49 @@ def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints):
     assert f"staticrt_prefilled_tokens_total {prompt_tokens - sum(cached)}.0" in metrics
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2", "mistral-sw16"])
+def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf_checkpoints, name):
+    """Two rows, three conversations A, B, C after the system prompt, two turns each, one request
+    at a time. Turn 1: B and C are seated in the row holding the system prompt, whose conversation
+    goes to the host pool first. Turn 2: no row holds a conversation, the pool does: each is
+    restored into the least recently used row and keeps all it fed (its prompt and answer but the
+    answer's last token). Every answer is a lone generate's, on static, hybrid and sliding caches
+    (window 16: restored slots wrapped, and a wrapped row cannot back off to the system prompt, so
+    there turn 1 keeps nothing). With a pool too small for a row, turn 2 keeps no more than turn 1."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    cache, max_cache_len = CASES[name]
+    model = staticrt.load_model(hf_checkpoints[name][0])
+    build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=max_cache_len, cache=cache)  # noqa: E731
+    lone = build(1)
+    firsts = {c: SYSTEM + [i + 1] * (2 + i) for i, c in enumerate("ABC")}
+
+    def converse(cache_ram_mb: float) -> tuple[dict, dict, str]:
+        app, _ = serve_backend(build(2).backend, name="tiny", prefiller=build(1).backend, cache_ram_mb=cache_ram_mb)
+        answers, cached = {}, {}
+        with running(app) as url:
+            api = client(url)
+            for turn in (1, 2):
+                for c in "ABC":
+                    prompt = firsts[c] if turn == 1 else firsts[c] + answers[c, 1] + [40 + turn, 41, 42]
+                    reply = api.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+                    answers[c, turn] = reply.choices[0].model_extra["token_ids"]
+                    assert answers[c, turn] == lone.generate([prompt], 6)[0], (c, turn)
+                    cached[c, turn] = reply.usage.prompt_tokens_details.cached_tokens
+            return answers, cached, httpx.get(f"{url}/metrics").text
+
+    _, cached, metrics = converse(cache_ram_mb=16)
+    system = 12 if cache == "static" else 0
+    turn_two = {c: len(firsts[c]) + 5 for c in "ABC"}
+    assert cached == {**{(c, 1): system if c != "A" else 0 for c in "ABC"}, **{(c, 2): turn_two[c] for c in "ABC"}}
+    assert "staticrt_prefix_pool_restores_total 3.0" in metrics
+    _, cached, metrics = converse(cache_ram_mb=1e-6)
+    assert {cached[c, 2] for c in "ABC"} == {system} and "staticrt_prefix_pool_restores_total 0.0" in metrics
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantized_weights_and_an_int8_cache_reuse_a_row_exactly(hf_checkpoints, quantize):
     """int8/int4 weights and a static-int8 cache (K/V int8 with a scale a token): a conversation

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
+from ..caches.row_state import RowStash
 from ..errors import CacheError, GenerationError, as_int
 from ..generation.buckets import default_buckets
 from ..generation.loop import SamplingParams, per_row
@@ -118,7 +119,7 @@ def _check_cache(cache: KVCache, model: Decoder, param: torch.Tensor, **requeste
             )
 
 
-class EagerBackend:
+class EagerBackend(RowStash):
     name = "eager"
     row_positions = True
 
@@ -185,6 +186,9 @@ class EagerBackend:
         """Row `row` of this cache takes `source`'s row `source_row` (a backend over the same
         model and cache layout, of any batch size): a prompt prefilled alone joins the batch."""
         self.cache.copy_row(source.cache, source_row, row)
+
+    def row_buffers(self) -> list[torch.Tensor]:
+        return list(self.cache.buffers())
 
     def prepare(
         self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, **_: Any

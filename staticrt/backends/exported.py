@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..artifacts.manifest import REEXPORT, aoti_package_weights, program_name
+from ..caches.row_state import RowStash
 from ..dtypes import recorded_dtype
 from ..errors import ArtifactError, check_positions
 from ..generation.host_sampling import choose
@@ -103,7 +104,7 @@ def _pt2_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
     return with_constants(torch.export.load(str(path)), constants).module()
 
 
-class ExportedBackend(ArtifactBackend):
+class ExportedBackend(ArtifactBackend, RowStash):
     """A `StepBackend` over an artifact folder written by `staticrt export`."""
 
     row_positions = True
@@ -132,6 +133,9 @@ class ExportedBackend(ArtifactBackend):
     def reset(self) -> None:
         for tensor in self.cache_state:
             tensor.zero_()
+
+    def row_buffers(self) -> list[torch.Tensor]:
+        return self.cache_state
 
     def step(
         self,

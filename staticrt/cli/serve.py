@@ -53,6 +53,7 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Any, Any]:
         prefiller,
         not args.no_prefix_reuse,
         args.speculative,
+        args.cache_ram,
     )
 
 

@@ -123,6 +123,15 @@ def _add_serving_policy(serve: Any) -> None:
         help="prefill every prompt whole; by default a request is seated in the free row holding the longest "
         "prefix of its prompt and prefills only the rest (llama.cpp's cache_prompt)",
     )
+    serve.add_argument(
+        "--cache-ram",
+        type=NON_NEGATIVE,
+        default=1024,
+        metavar="MB",
+        help="host memory for rows that new requests overwrite (default 1024; 0: none): a request whose "
+        "prompt continues one is seated with it restored, so more conversations than rows each keep their "
+        "prefix (llama.cpp's --cache-ram); only what a row holds is kept",
+    )
     add_speculative_arg(serve, "greedy requests get greedy decoding's tokens, sampled ones decode a token a step")
     warmup = "build every graph the server needs into the compile cache and exit (once, in a deployment's image)"
     serve.add_argument("--warmup-only", action="store_true", help=warmup)

@@ -29,11 +29,12 @@ def serve_backend(
     stream_interval: int = 1,
     reuse_prefix: bool = True,
     speculative: Any = None,
+    cache_ram_mb: float = 0,
 ) -> tuple[Any, Any]:
     """The app serving `backend` (a Generator's `.backend`) as model `name`, and its scheduler
     (`schedule_backend` says what the other arguments do)."""
     scheduler, limits = schedule_backend(
-        backend, tokenizer, name, defaults, max_queue, prefiller, reuse_prefix, speculative
+        backend, tokenizer, name, defaults, max_queue, prefiller, reuse_prefix, speculative, cache_ram_mb
     )
     from .app import create_app
 
@@ -49,6 +50,7 @@ def schedule_backend(
     prefiller: Any = None,
     reuse_prefix: bool = True,
     speculative: Any = None,
+    cache_ram_mb: float = 0,
 ) -> tuple[Any, Any]:
     """A scheduler over `backend`'s rows with every graph it needs built, and the limits its
     requests are checked against: what a server (`serve_backend`) or a Ray replica (ray.py) runs.
@@ -56,6 +58,8 @@ def schedule_backend(
     like `backend`), which prefills each prompt alone; without it prompts prefill in `backend`.
     `reuse_prefix`: a request keeps the prefix its row holds (rows.py) and prefills the rest from
     there, in chunks of the prefiller's continuing graphs up to REUSE_WIDTH (`reuse_widths`).
+    `cache_ram_mb`: a host pool of that many MB (0: none) keeps the rows new requests overwrite
+    and restores one where a prompt continues it (rows.py; a model backend or a torch artifact).
     `speculative` ("ngram[:K]"): greedy rows verify tokens drafted from their own (planning.py).
     Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
     so that no request waits for a compile and no compile stalls the rows being served."""
@@ -72,7 +76,32 @@ def schedule_backend(
     drafting = None if speculative is None else Drafting(Speculation.parse(speculative))
     if drafting is not None:
         check_verifies(backend)
-    plan: list[tuple[Any, tuple[int, ...], dict[str, Any]]] = []  # every graph serving needs: (backend, widths, how)
+    plan = _graph_plan(backend, prefiller, reuse_prefix, None if drafting is None else drafting.spec.k)
+    graphs = {(id(b), key) for b, widths, how in plan for key in b.unbuilt(widths, **how)}
+    with counting(len(graphs)):  # "graph 3 of 16"
+        for b, widths, how in plan:
+            b.prepare(widths, **how)
+    limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
+    widest = None if prefiller is None else max(reuse_widths(prefiller))  # an artifact's programs take both
+    scheduler = Scheduler(
+        backend,
+        tokenizer,
+        max_queue,
+        prefiller=prefiller,
+        reuse_prefix=reuse_prefix,
+        widest=widest,
+        drafting=drafting,
+        cache_ram_bytes=int(cache_ram_mb * 2**20),
+    )
+    return scheduler, limits
+
+
+def _graph_plan(
+    backend: Any, prefiller: Any, reuse_prefix: bool, drafts: int | None
+) -> list[tuple[Any, tuple[int, ...], dict[str, Any]]]:
+    """Every graph serving needs, as (backend, widths, how to build them); `drafts`: a verify
+    step's drafted tokens (greedy rows only), None without speculation."""
+    plan = []
     for do_sample in (False, True):
         if prefiller is None:
             plan.append((backend, (*backend.buckets, 1), {"do_sample": do_sample, "continuing": True}))
@@ -81,19 +110,9 @@ def schedule_backend(
             plan.append((prefiller, prefiller.buckets, {"do_sample": do_sample}))
             widths = {*chunk_widths(prefiller), *(reuse_widths(prefiller) if reuse_prefix else ())}
             plan.append((prefiller, tuple(sorted(widths)), {"do_sample": do_sample, "continuing": True}))
-    if drafting is not None:  # greedy rows only
-        verify = {"do_sample": False, "continuing": True, "fresh": False, "verify": True}
-        plan.append((backend, (drafting.spec.k + 1,), verify))
-    graphs = {(id(b), key) for b, widths, how in plan for key in b.unbuilt(widths, **how)}
-    with counting(len(graphs)):  # "graph 3 of 16"
-        for b, widths, how in plan:
-            b.prepare(widths, **how)
-    limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
-    widest = None if prefiller is None else max(reuse_widths(prefiller))  # an artifact's programs take both
-    scheduler = Scheduler(
-        backend, tokenizer, max_queue, prefiller=prefiller, reuse_prefix=reuse_prefix, widest=widest, drafting=drafting
-    )
-    return scheduler, limits
+    if drafts is not None:
+        plan.append((backend, (drafts + 1,), {"do_sample": False, "continuing": True, "fresh": False, "verify": True}))
+    return plan
 
 
 # The widest step that continues a kept prefix in a model's prefiller (a longer rest goes in chunks

@@ -29,6 +29,10 @@ class Metrics:
         self.reused_tokens = Counter(
             "staticrt_prefix_reused_tokens", "prompt tokens kept in a row's cache rather than prefilled", registry=r
         )
+        self.pool_restores = Counter(
+            "staticrt_prefix_pool_restores", "requests seated in a row restored from the host pool", registry=r
+        )
+        self.pool_bytes = Gauge("staticrt_prefix_pool_bytes", "bytes of rows held in the host pool", registry=r)
         self.drafted_tokens = Counter(
             "staticrt_draft_tokens", "tokens drafted and checked in verify steps (speculative decoding)", registry=r
         )

@@ -10,11 +10,18 @@ continuation overwrites them before any query sees them.
 A rotating layer may also hold entries past what the row holds: a speculative step's rejected
 drafts, or the tail of the request before, which the row's request cut back to a kept prefix.
 `kept` counts them as written (prefix.continues' `over`) until the row's own writes since it was
-seated span every rotating slot. Imports no torch.
+seated span every rotating slot.
+
+With a host pool (`pool_bytes`, `serve --cache-ram`), a row about to be overwritten past what its
+new request keeps is first copied to host memory (the backend's `stash_row`), and a request whose
+prompt an entry there keeps more of than any free row is seated in the least recently used free
+row with that entry restored: with more conversations than rows, each turn still finds its own.
+The pool drops its least recently used entries past its size. Imports no torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,13 +31,25 @@ from ..generation.loop import StepBackend
 from ..generation.prefix import kept_prefix
 
 
+@dataclass
+class Saved:
+    """A row's contents in the host pool: its ids, its memory's marks, the backend's copy."""
+
+    held: list[int]
+    beyond: int
+    since: int
+    state: Any  # the backend's RowState
+    nbytes: int
+
+
 class RowMemory:
     """The ids each of `backend`'s rows holds; with `reuse` False (or a backend that writes one
     column for every row, whose waves start over), it never keeps anything. `widest`: the widest
     step that continues a kept prefix (the prefiller's widest continuing graph; None: any bucket),
-    so the rest is prefilled in chunks of at most that many tokens."""
+    so the rest is prefilled in chunks of at most that many tokens. `pool_bytes`: the host pool's
+    size (0: none; a backend without `stash_row` has none)."""
 
-    def __init__(self, backend: StepBackend, reuse: bool, widest: int | None = None) -> None:
+    def __init__(self, backend: StepBackend, reuse: bool, widest: int | None = None, pool_bytes: int = 0) -> None:
         self.backend = backend
         self.reuse = reuse and backend.row_positions
         self.widest = widest
@@ -39,27 +58,65 @@ class RowMemory:
         self.beyond = [0] * backend.batch_size  # the furthest position a row may have written (rotating layers)
         self.since = [0] * backend.batch_size  # where the row's writes have run without a gap since it was seated
         self.span = max((slots for slots, _ in backend.rotating_layouts), default=0)
+        self.pool_bytes = pool_bytes if self.reuse and hasattr(backend, "stash_row") else 0
+        self.pool: list[Saved] = []  # the least recently used first
 
     def kept(self, prompt: list[int], row: int) -> int:
         """Prompt tokens a request keeps in `row`, where the rest's chunks fit after them."""
+        return self._kept(prompt, self.held[row], self.beyond[row])
+
+    def _kept(self, prompt: list[int], held: list[int], beyond: int) -> int:
         if not self.reuse:
             return 0
         limit, buckets = self.backend.max_sequence_len, self.backend.buckets
         if self.widest is not None:
             buckets = tuple(b for b in buckets if b <= self.widest)
-        held = self.held[row] + [-1] * (self.beyond[row] - len(self.held[row]))  # -1: never a token id
+        held = held + [-1] * (beyond - len(held))  # -1: never a token id
         kept = kept_prefix(held, prompt, self.backend.rotating_layouts)
         return kept if limit is None or kept + chunk_end(buckets, len(prompt) - kept) <= limit else 0
 
-    def best(self, prompt: list[int], free: list[int]) -> tuple[int, int]:
-        """The free row that keeps the most of `prompt` (the least recently used of equals), and how much."""
+    def best(self, prompt: list[int], free: list[int]) -> tuple[int, int, Saved | None]:
+        """The free row that keeps the most of `prompt` (the least recently used of equals), and how
+        much; or, where a pool entry keeps more, the least recently used free row, how much the
+        entry keeps and the entry to restore there."""
         kept = {r: self.kept(prompt, r) for r in free}
         row = max(free, key=lambda r: (kept[r], -self.used[r]))
-        return row, kept[row]
+        if self.pool:
+            pooled = {id(s): self._kept(prompt, s.held, s.beyond) for s in self.pool}
+            saved = max(reversed(self.pool), key=lambda s: pooled[id(s)])  # of equals, the newest
+            if pooled[id(saved)] > kept[row]:
+                return min(free, key=lambda r: self.used[r]), pooled[id(saved)], saved
+        return row, kept[row], None
 
-    def seat(self, row: int, kept: int, order: int) -> None:
+    def seat(self, row: int, kept: int, order: int, saved: Saved | None = None) -> None:
+        """`row` takes a request that keeps `kept` of what it holds (of `saved`'s, restored first);
+        what the row held past that goes to the pool first."""
+        if self.pool_bytes:
+            self._save(row, kept if saved is None else 0)
+        if saved is not None:
+            self.pool.remove(saved)
+            self.backend.restore_row(row, saved.state)
+            self.held[row], self.beyond[row], self.since[row] = list(saved.held), saved.beyond, saved.since
         self._cut(row, kept)
         self.used[row] = order
+
+    def _save(self, row: int, kept: int) -> None:
+        """Copy `row` to the pool where it holds more than the `kept` ids its next request keeps
+        (an entry restored leaves the pool, so nothing is there twice); drop the oldest entries
+        past the pool's size."""
+        held = self.held[row]
+        if len(held) <= kept:
+            return
+        state = self.backend.stash_row(row, len(held))
+        if state.nbytes > self.pool_bytes:
+            return
+        self.pool.append(Saved(list(held), self.beyond[row], self.since[row], state, state.nbytes))
+        while self.pooled_bytes > self.pool_bytes:
+            self.pool.pop(0)
+
+    @property
+    def pooled_bytes(self) -> int:
+        return sum(s.nbytes for s in self.pool)
 
     def fed(self, row: int, ids: np.ndarray, rejected: int = 0) -> None:
         """`row` was fed `ids` at its end, and after them `rejected` drafts (speculative.py) whose

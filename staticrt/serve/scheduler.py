@@ -17,7 +17,7 @@ row has T positions left. A freed row is not cleared: masks are computed from po
 next occupant writes every position it attends to before it attends to it.
 
 A request is seated in the free row that holds the longest prefix of its prompt and prefills only
-the rest (rows.py). A freed row keeps its contents until it is reused.
+the rest; a freed row keeps its contents until it is reused, and then in a host pool (rows.py).
 
 With speculation (`drafting`), a decode step where every decoding row is greedy becomes a verify
 step (planning.py): each row feeds its next token and the tokens it drafts from its own, takes
@@ -47,7 +47,7 @@ from ..generation.speculative import accepted
 from .job import Completion, Event, Job, Plan, check_request
 from .metrics import Metrics
 from .planning import Drafting, plan_step
-from .rows import RowMemory
+from .rows import RowMemory, Saved
 
 
 class QueueFull(StaticrtError):
@@ -71,6 +71,7 @@ class Scheduler:
         reuse_prefix: bool = True,
         widest: int | None = None,
         drafting: Drafting | None = None,
+        cache_ram_bytes: int = 0,
     ) -> None:
         self.backend = backend
         self.prefiller = prefiller  # batch 1, same model and cache layout; its row is copied into ours
@@ -79,7 +80,7 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.rows: list[Job | None] = [None] * backend.batch_size
         self.metrics.rows.set(len(self.rows))
-        self.memory = RowMemory(backend, reuse_prefix, widest)
+        self.memory = RowMemory(backend, reuse_prefix, widest, cache_ram_bytes)
         self.drafting = drafting
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
@@ -198,18 +199,21 @@ class Scheduler:
             free = [r for r, job in enumerate(self.rows) if job is None]
             while free and self.waiting:
                 job = self.waiting.popleft()
-                row, kept = self.memory.best(job.request.prompt, free)
+                row, kept, saved = self.memory.best(job.request.prompt, free)
                 free.remove(row)
-                self._seat(job, row, kept)
+                self._seat(job, row, kept, saved)
         elif self.busy_rows == 0 and self.waiting:
             self._start_wave()
         self.metrics.queue.set(len(self.waiting))
         self.metrics.busy.set(self.busy_rows)
 
-    def _seat(self, job: Job, row: int, kept: int = 0) -> None:
+    def _seat(self, job: Job, row: int, kept: int = 0, saved: Saved | None = None) -> None:
+        """`job` takes `row`, keeping `kept` prompt tokens of what it holds (of `saved`'s, restored there)."""
         job.row, job.fed, job.kept = row, kept, kept
         self.rows[row] = job
-        self.memory.seat(row, kept, job.order)
+        self.memory.seat(row, kept, job.order, saved)
+        self.metrics.pool_restores.inc(saved is not None)
+        self.metrics.pool_bytes.set(self.memory.pooled_bytes)
 
     def _start_wave(self) -> None:
         """A backend whose steps write one column of every row (the ONNX graph, genai's layout)
