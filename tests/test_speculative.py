@@ -17,8 +17,9 @@ from hf_models import hf_greedy, save_hf_model
 import staticrt
 from staticrt.cli.main import main
 from staticrt.errors import GenerationError
+from staticrt.generation.draft_policy import DraftPolicy
 from staticrt.generation.prefix import draft_room
-from staticrt.generation.speculative import DraftPolicy, ngram_draft
+from staticrt.generation.speculative import ngram_draft
 
 # checkpoint -> (cache kind, max_cache_len): the sliding and hybrid layers hold a window of 16
 CASES = {
@@ -449,16 +450,74 @@ def test_an_artifact_backend_is_refused_by_name_before_it_serves_or_generates():
     )
 
 
-def test_a_server_refuses_a_draft_model_by_name_before_it_builds_anything(hf_checkpoints):
+def test_a_server_drafts_with_a_model_in_its_rows_and_refuses_one_that_cannot_mirror_them(hf_checkpoints, caplog):
+    """Three rows and a draft model's Generator of three rows (prefill buckets of 16, so a 40-token
+    prompt reaches it in chunks when its row first drafts): three greedy requests at once, two of
+    them sharing a row in turn, get transformers' tokens, with the model as its own draft (every
+    draft accepted) and with another model (llama-linear-tied, which rarely agrees). A drafter of
+    one row is refused by name before anything is built."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    import concurrent.futures
+
+    import httpx
+    from serving import client, running
+
     from staticrt.serve import serve_backend
 
-    gen = generator(hf_checkpoints, "llama")
+    hf = hf_checkpoints["llama"][1]
+    long = torch.randint(1, 256, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    asks = [prompt(1), long + prompt(2), prompt(3), prompt(4)]
+    wants = [hf_greedy(hf, ids, NEW_TOKENS) for ids in asks]
+
+    def served(name: str) -> tuple[list[list[int]], dict[str, float]]:
+        draft = drafter(hf_checkpoints, name, max_batch_size=3, prefill_buckets=(16,))
+        spec = staticrt.Speculation("model", 3, drafter=draft)
+        gen = generator(hf_checkpoints, "llama", max_batch_size=3)
+        app, _ = serve_backend(
+            gen.backend, name="tiny", prefiller=generator(hf_checkpoints, "llama").backend, speculative=spec
+        )
+        with running(app) as url:
+            api = client(url)
+
+            def ask(ids: list[int]) -> list[int]:
+                reply = api.completions.create(model="tiny", prompt=ids, max_tokens=NEW_TOKENS, temperature=0)
+                return reply.choices[0].model_extra["token_ids"]
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(ask, asks))
+            metrics = httpx.get(f"{url}/metrics").text
+        return got, {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line[:1] != "#"}
+
+    got, counts = served("llama")
+    assert got == wants
+    assert counts["staticrt_draft_tokens_total"] > 0
+    assert counts["staticrt_draft_accepted_tokens_total"] == counts["staticrt_draft_tokens_total"]
+    got, counts = served("llama-linear-tied")
+    assert got == wants and counts["staticrt_draft_tokens_total"] > 0
+    assert "the draft model failed" not in caplog.text  # no step lost its drafts to an error
     with pytest.raises(GenerationError) as raised:
-        serve_backend(gen.backend, speculative=staticrt.Speculation("model", 4, drafter=drafter(hf_checkpoints)))
+        spec = staticrt.Speculation("model", 4, drafter=drafter(hf_checkpoints))
+        serve_backend(generator(hf_checkpoints, "llama", max_batch_size=3).backend, speculative=spec)
     assert str(raised.value) == (
-        "serve drafts by prompt lookup only (a draft model's rows would have to follow the server's); "
-        "pass speculative='ngram[:K]'"
+        "the draft Generator holds 1 rows, the generation 3; build it with max_batch_size=3 or more"
     )
+
+
+def test_a_draft_models_row_near_its_caches_end_drafts_nothing_and_the_others_still_draft(hf_checkpoints):
+    """A drafter of 32 positions and one prefill bucket of 16, which its prefill writes whole after
+    what a row keeps. A row of 25 tokens reaches it in two calls (16, then 9 after them: 32 written)
+    and drafts 3. Grown by two tokens its row keeps 25, and 25 + 16 would pass the end (the drafter's
+    loop would then prefill every row whole, past its bucket: an error): that row drafts nothing,
+    and the row of 6 tokens still drafts 3."""
+    model = staticrt.load_model(hf_checkpoints["llama"][0])
+    draft = staticrt.Generator(model, max_batch_size=2, max_cache_len=32, prefill_buckets=(16,))
+    spec = staticrt.Speculation("model", 3, drafter=draft)
+    ids = torch.randint(1, 256, (27,), generator=torch.Generator().manual_seed(4)).tolist()
+    drafted = []
+    for grown in (0, 2):
+        contexts = [np.array(ids[: 25 + grown]), np.array(ids[:6] + ids[25 : 25 + grown])]
+        drafted.append([len(d) for d in spec.propose(contexts, [3, 3], catch_up=True)])
+    assert drafted == [[3, 3], [0, 3]]
 
 
 def test_a_server_row_counts_what_rejected_drafts_and_an_earlier_request_left_in_its_slots():

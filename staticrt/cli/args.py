@@ -157,18 +157,10 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int = MAX_NE
         "greedy tokens are greedy decoding's; with --do-sample, kept drafts follow the model's distribution "
         "(speculative sampling's rule), not the seed's plain tokens",
     )
-    p.add_argument(
-        "--draft",
-        default=None,
-        metavar="MODEL[:K]",
-        help="speculative decoding with a draft model (a folder, preset or .gguf sharing the model's tokenizer, "
-        "in --dtype on the model's device): each step it drafts up to K tokens (default 4) greedily in a "
-        "cache of its own, and the model verifies them in one step",
-    )
 
 
 def add_speculative_arg(p: argparse.ArgumentParser, scope: str) -> None:
-    """--speculative of run, chat and serve; `scope` says whose tokens it leaves unchanged."""
+    """--speculative and --draft of run, chat and serve; `scope` says whose tokens they leave unchanged."""
     p.add_argument(
         "--speculative",
         default=None,
@@ -176,6 +168,14 @@ def add_speculative_arg(p: argparse.ArgumentParser, scope: str) -> None:
         help="speculative decoding: a step verifies up to K tokens (default 4) drafted from the text so "
         f"far (prompt lookup), while drafting pays; {scope}. Fastest where the answer copies its prompt "
         "(rewriting, editing code, summarising); a torch --model backend only",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="MODEL[:K]",
+        help="speculative decoding with a draft model (a folder, preset or .gguf sharing the model's tokenizer, "
+        "in --dtype on the model's device): each step it drafts up to K tokens (default 4) greedily in a "
+        "cache of its own, with the rows and positions of the model's, and the model verifies them in one step",
     )
 
 

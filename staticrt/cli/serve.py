@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .console import console
-from .session import bind, open_source
+from .session import bind, open_source, speculation
 
 API_KEY_ENV = "STATICRT_API_KEY"
 
@@ -52,7 +52,7 @@ def build_scheduler(args: argparse.Namespace) -> tuple[Any, Any]:
         args.max_queue,
         prefiller,
         not args.no_prefix_reuse,
-        args.speculative,
+        speculation(args, backend),
         args.cache_ram,
     )
 

@@ -115,13 +115,13 @@ def generate_options(args: argparse.Namespace, source: Source, gen: Any) -> dict
         "seed": args.seed,
         "stop_token_ids": stops,
         **source.defaults.sampling(args.temperature, args.top_k, args.top_p),
-        **({"speculative": speculation} if (speculation := _speculation(args, gen)) is not None else {}),
+        **({"speculative": spec} if (spec := speculation(args, gen.backend)) is not None else {}),
     }
 
 
-def _speculation(args: argparse.Namespace, gen: Any) -> Any:
+def speculation(args: argparse.Namespace, backend: Any) -> Any:
     """--speculative as given, or for --draft MODEL[:K] a Speculation whose drafter is a Generator
-    over that model, loaded as --model is, on the same backend, with the rows and positions of `gen`."""
+    over that model, loaded as --model is, on the same backend, with the rows and positions of `backend`."""
     if args.draft is None:
         return args.speculative
     from ..generation.generator import Generator
@@ -133,10 +133,9 @@ def _speculation(args: argparse.Namespace, gen: Any) -> Any:
         raise GenerationError("give --speculative ngram[:K] (prompt lookup) or --draft MODEL[:K], not both")
     head, colon, tail = args.draft.rpartition(":")
     path, k = (head, int(tail)) if colon and tail.isdigit() else (args.draft, DEFAULT_DRAFT)
-    if not hasattr(gen.backend, "verify_step"):
-        return Speculation("ngram", k)  # refused by name, with the way out, by generate
+    if not hasattr(backend, "verify_step"):
+        return Speculation("ngram", k)  # refused by name, with the way out, by generate (or serve)
     model = load_model(local_checkpoint(path), dtype=args.dtype, device=model_device(args.device, args.backend))
-    backend = gen.backend
     drafter = Generator(
         model,
         cache=args.cache,

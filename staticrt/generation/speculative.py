@@ -33,8 +33,7 @@ greedy draft is one-hot, so the sampling rule holds as it is. Imports no torch.
 
 from __future__ import annotations
 
-import collections
-import statistics
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GenerationError
+from .draft_policy import DraftPolicy
 from .prefix import draft_room, kept_prefix
 
 DEFAULT_DRAFT = 4  # tokens drafted a step: the verify graph is 5 wide (a measured choice: docs/measurements.md)
@@ -82,18 +82,55 @@ class Speculation:
             )
         return spec
 
-    def propose(self, contexts: list[np.ndarray], rooms: list[int]) -> list[np.ndarray]:
+    def propose(self, contexts: list[np.ndarray], rooms: list[int], catch_up: bool = False) -> list[np.ndarray]:
         """Each row's draft: at most `rooms[r]` tokens after `contexts[r] [N]` (its tokens, the last
         chosen but not yet fed). A drafter feeds each row what it does not hold yet in one prefill
-        step; where that passes its largest bucket (drafting paused that long) no row drafts."""
+        step; where that passes its largest bucket (drafting paused that long) no row drafts, unless
+        `catch_up` (a server's row that took a new request): then the rest is prefilled in chunks."""
         if self.drafter is None:
             return [ngram_draft(c, room, self.max_ngram) if room else c[:0] for c, room in zip(contexts, rooms)]
-        backend, held = self.drafter.backend, self.drafter.held
-        behind = [len(c) - kept_prefix(held[r], c, backend.rotating_layouts) for r, c in enumerate(contexts)]
-        if max(behind) > backend.buckets[-1]:
+        buckets, limit = self.drafter.backend.buckets, self.drafter.backend.max_sequence_len
+        contexts, rooms, lags = list(contexts), list(rooms), self._behind(contexts)
+        for r, c in enumerate(contexts):  # a row whose cache cannot take the smallest bucket (or the
+            # drafts) after what it keeps drafts nothing and feeds one token at 0: its loop would
+            # otherwise prefill every row whole, a prefill writing a whole bucket after what a row keeps
+            if limit is not None and len(c) - lags[r] + max(buckets[0], self.k) > limit:
+                contexts[r], rooms[r] = c[:1] * 0, 0
+        lags = self._behind(contexts)
+        if not any(rooms) or (max(lags) > buckets[-1] and not catch_up) or not self._catch_up(contexts, lags):
             return [c[:0] for c in contexts]
         continued = self.drafter.generate([c.tolist() for c in contexts], max(rooms), reuse_prefix=True)
         return [np.array(ids[:room], dtype=np.int64) for ids, room in zip(continued, rooms)]
+
+    def _behind(self, contexts: list[np.ndarray]) -> list[int]:
+        """Tokens of each row's context the drafter does not hold yet."""
+        held, layouts = self.drafter.held, self.drafter.backend.rotating_layouts
+        return [len(c) - kept_prefix(held[r], c, layouts) for r, c in enumerate(contexts)]
+
+    def _catch_up(self, contexts: list[np.ndarray], lags: list[int]) -> bool:
+        """Feed the drafter each row's rest in calls of the widest bucket every row can take after
+        what it keeps (a call holds what it was fed), until every rest fits one step; False where
+        a call gains nothing (a sink layer that wrapped keeps no prefix): then no row drafts."""
+        buckets, limit = self.drafter.backend.buckets, self.drafter.backend.max_sequence_len
+        while True:
+            kept = max(len(c) - lag for c, lag in zip(contexts, lags))
+            width = max(b for b in buckets if limit is None or kept + b <= limit or b == buckets[0])
+            if max(lags) <= width:
+                return True
+            cut = [c[: len(c) - lag + width].tolist() for c, lag in zip(contexts, lags)]
+            self.drafter.generate(cut, 1, reuse_prefix=True)
+            lags, before = self._behind(contexts), lags
+            if max(lags) >= max(before):
+                return False
+
+    def idle_context(self, row: int) -> np.ndarray:
+        """What `row` feeds a drafter (whose steps take every row) in a step where it drafts nothing:
+        the ids it holds (up to a rotating layer's -1 marks), which it keeps (`propose` cuts a row
+        near its end to one token); nothing without a drafter."""
+        if self.drafter is None:
+            return np.zeros(0, dtype=np.int64)
+        held = list(itertools.takewhile(lambda t: t >= 0, self.drafter.held[row]))
+        return np.array(held or [0], dtype=np.int64)
 
     def warm(self, rows: list[list[int]]) -> float:
         """Before decoding: the drafter prefills the prompts `rows` (keeping what it holds of them),
@@ -121,56 +158,11 @@ def ngram_draft(tokens: np.ndarray, k: int, max_ngram: int) -> np.ndarray:
     return tokens[:0]
 
 
-def draft_for(context: np.ndarray, position: int, spec: Speculation, layouts: Any) -> np.ndarray:
-    """The draft of a row whose tokens are `context [N]` (its last one chosen, not yet fed, fed
-    next at `position`): up to `spec.k` tokens, as many as its rotating layers allow (`draft_room`)."""
-    return spec.propose([context], [draft_room(position, spec.k, layouts)])[0]
-
-
 def accepted(draft: np.ndarray, chosen: np.ndarray) -> int:
     """How many of `draft [d]` the model chose too: `chosen [>= d]` is its token after each fed
     position (the row's next token, then each draft), so draft i stands where chosen[i] equals it."""
     mismatch = np.flatnonzero(draft != chosen[: len(draft)])
     return int(mismatch[0]) if mismatch.size else len(draft)
-
-
-class DraftPolicy:
-    """When drafting pays, from the steps' measured times.
-
-    A verify step costs more than a decode step (k + 1 positions through every GEMM), so it must
-    yield enough tokens. After each verify step the policy compares the recent verify steps' time
-    a token yielded with the recent decode steps' time; where drafting loses it pauses for a
-    number of steps that doubles while it keeps losing (at most 64), then tries again. Open-ended
-    text that drafts badly then runs at about decode speed."""
-
-    def __init__(self) -> None:
-        self.decode_s: collections.deque[float] = collections.deque(maxlen=8)
-        self.verify_s: collections.deque[float] = collections.deque(maxlen=4)
-        self.yields: collections.deque[float] = collections.deque(maxlen=4)  # mean tokens a row a verify step
-        self.pause, self.wait = 0, 0
-
-    def ready(self) -> bool:
-        """Whether this step may verify drafts (counts a paused step down); never before a decode step was timed."""
-        if self.wait > 0:
-            self.wait -= 1
-            return False
-        return bool(self.decode_s)
-
-    def timed(self, seconds: float, tokens: list[int] | None) -> None:
-        """A step's time, and for a verify step the tokens each live row took from it."""
-        if tokens is None:
-            self.decode_s.append(seconds)
-            return
-        self.verify_s.append(seconds)
-        if tokens:
-            self.yields.append(sum(tokens) / len(tokens))
-        per_token = statistics.median(self.verify_s) / max(statistics.fmean(self.yields or [1.0]), 1e-9)
-        if len(self.yields) >= 2 and per_token > statistics.median(self.decode_s):
-            self.pause = min(max(2 * self.pause, 4), 64)
-            self.wait = self.pause
-            self.yields.clear()
-        elif len(self.yields) >= 2:
-            self.pause = 0
 
 
 class Speculator:

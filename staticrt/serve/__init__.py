@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import GenerationError
 from ..generation.builds import counting
-from ..generation.speculative import Speculation, check_verifies
+from ..generation.speculative import Speculation, check_drafter, check_verifies
 from ..text.generation_config import GenerationDefaults
 
 
@@ -76,7 +76,9 @@ def schedule_backend(
     drafting = None if speculative is None else Drafting(Speculation.parse(speculative))
     if drafting is not None:
         check_verifies(backend)
-    plan = _graph_plan(backend, prefiller, reuse_prefix, None if drafting is None else drafting.spec.k)
+        if drafting.spec.drafter is not None:  # its row r drafts for our row r
+            check_drafter(backend, drafting.spec.drafter.backend, backend.batch_size)
+    plan = _graph_plan(backend, prefiller, reuse_prefix, None if drafting is None else drafting.spec)
     graphs = {(id(b), key) for b, widths, how in plan for key in b.unbuilt(widths, **how)}
     with counting(len(graphs)):  # "graph 3 of 16"
         for b, widths, how in plan:
@@ -97,10 +99,11 @@ def schedule_backend(
 
 
 def _graph_plan(
-    backend: Any, prefiller: Any, reuse_prefix: bool, drafts: int | None
+    backend: Any, prefiller: Any, reuse_prefix: bool, spec: Speculation | None
 ) -> list[tuple[Any, tuple[int, ...], dict[str, Any]]]:
-    """Every graph serving needs, as (backend, widths, how to build them); `drafts`: a verify
-    step's drafted tokens (greedy rows only), None without speculation."""
+    """Every graph serving needs, as (backend, widths, how to build them); with speculation
+    (`spec`), the verify step (greedy rows only) and a draft model's steps: its decode step and
+    the prefill of a row's rest, from 0 or continuing what the row holds."""
     plan = []
     for do_sample in (False, True):
         if prefiller is None:
@@ -110,8 +113,11 @@ def _graph_plan(
             plan.append((prefiller, prefiller.buckets, {"do_sample": do_sample}))
             widths = {*chunk_widths(prefiller), *(reuse_widths(prefiller) if reuse_prefix else ())}
             plan.append((prefiller, tuple(sorted(widths)), {"do_sample": do_sample, "continuing": True}))
-    if drafts is not None:
-        plan.append((backend, (drafts + 1,), {"do_sample": False, "continuing": True, "fresh": False, "verify": True}))
+    if spec is not None:
+        plan.append((backend, (spec.k + 1,), {"do_sample": False, "continuing": True, "fresh": False, "verify": True}))
+    if spec is not None and spec.drafter is not None:
+        drafter = spec.drafter.backend
+        plan.append((drafter, (*drafter.buckets, 1), {"do_sample": False, "continuing": True}))
     return plan
 
 

@@ -7,16 +7,21 @@ Imports no torch."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import GenerationError
 from ..generation.buckets import bucket_for
+from ..generation.draft_policy import DraftPolicy
 from ..generation.loop import StepBackend
-from ..generation.speculative import DraftPolicy, Speculation, draft_for
+from ..generation.prefix import draft_room
+from ..generation.speculative import Speculation
 from .job import Job, Plan
 from .rows import RowMemory
+
+log = logging.getLogger("staticrt")
 
 
 @dataclass
@@ -25,13 +30,6 @@ class Drafting:
 
     spec: Speculation
     policy: DraftPolicy = field(default_factory=DraftPolicy)
-
-    def __post_init__(self) -> None:
-        if self.spec.drafter is not None:
-            raise GenerationError(
-                "serve drafts by prompt lookup only (a draft model's rows would have to follow the server's); "
-                "pass speculative='ngram[:K]'"
-            )
 
 
 def plan_step(
@@ -131,10 +129,18 @@ def _verify_plan(
     ends = [job.position for job in decoding] + [job.fed for job in prefilling]
     if limit is not None and max(ends) + spec.k + 1 > limit:
         return None
-    drafts = {
-        job: draft_for(np.array(job.request.prompt + job.tokens), job.position, spec, backend.rotating_layouts)
-        for job in decoding
-    }
+    contexts = [spec.idle_context(r) for r in range(len(rows))]  # a drafter's step takes every row
+    rooms = [0] * len(rows)
+    for job in decoding:
+        contexts[job.row] = np.array(job.request.prompt + job.tokens, dtype=np.int64)
+        rooms[job.row] = draft_room(job.position, spec.k, backend.rotating_layouts)
+    try:
+        proposed = spec.propose(contexts, rooms, catch_up=True)
+    except GenerationError as err:  # a draft model's failure costs this step's drafts, never a request
+        log.warning("the draft model failed, so this step verifies nothing: %s", err)
+        spec.drafter.held[:] = [[] for _ in spec.drafter.held]  # what its rows hold is no longer known
+        return None
+    drafts = {job: proposed[job.row] for job in decoding}
     if not any(len(d) for d in drafts.values()):
         return None
     return _decode_plan(backend, memory, rows, decoding, prefilling, drafts, spec.k + 1)

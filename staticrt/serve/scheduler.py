@@ -165,14 +165,13 @@ class Scheduler:
                 if self.stopped:
                     self._fail_all(503, "the server stopped before this request finished")
                     return
-            plan = None
+            plan, start = None, time.perf_counter()  # a verify step's time includes its drafting
             try:
                 plan, self.last_prefilled = plan_step(
                     self.backend, self.prefiller, self.memory, self.rows, self.last_prefilled, self.drafting
                 )
                 if plan.adopt is not None and plan.adopt.fed > 0:  # the prefiller continues the job's row
                     self.prefiller.adopt_row(0, self.backend, plan.adopt.row)
-                start = time.perf_counter()
                 next_ids = plan.run()
                 seconds = time.perf_counter() - start
                 if plan.adopt is not None:
