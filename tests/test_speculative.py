@@ -199,6 +199,14 @@ def test_run_drafts_with_a_model_given_as_draft(hf_checkpoints, capsys):
     assert out["verify_steps"] > 0 and out["drafted"] <= 2 * out["verify_steps"]
 
 
+@pytest.mark.parametrize("command", ["run", "bench"])
+def test_prompt_lookup_and_a_draft_model_at_once_are_refused_by_name(hf_checkpoints, command, capsys):
+    folder = str(hf_checkpoints["llama"][0])
+    args = ["--prompt-ids", "1,2,3"] if command == "run" else []
+    assert main([command, "--model", folder, *args, "--speculative", "ngram", "--draft", folder]) != 0
+    assert "give --speculative ngram[:K] (prompt lookup) or --draft MODEL[:K], not both" in capsys.readouterr().err
+
+
 def test_a_rows_tokens_do_not_depend_on_its_neighbours_drafts(hf_checkpoints):
     gen = generator(hf_checkpoints, "llama", max_batch_size=3)
     prompts = [prompt(1), prompt(2)[:9], prompt(3)]

@@ -1,11 +1,13 @@
-"""`staticrt bench --speculative ngram[:K]`: decode speed with and without speculation, side by side.
+"""`staticrt bench --speculative ngram[:K]` (or `--draft MODEL[:K]`): decode speed with and without
+speculation, side by side.
 
 The prompts ship here: copy-heavy tasks (a paragraph to rewrite, code to edit, text to repeat),
 where prompt lookup drafts well, and open-ended chat, where it drafts badly and the speculator
 must step aside. Each prompt runs greedily without and with speculation in alternating rounds in
 one process (the tokens must agree), and transformers' `generate` on the same weights without and
-with its `prompt_lookup_num_tokens` in the same run. Decode speed is decode tokens over decode
-time: the first token (prefill) and compiling are left out of both.
+with its `prompt_lookup_num_tokens` (with a draft model: its assisted generation, `assistant_model`
+on the draft model's weights) in the same run. Decode speed is decode tokens over decode time: the
+first token (prefill) and compiling are left out of both.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ def _staticrt(gen: Any, prompt: list[int], new_tokens: int, speculative: str | N
     return tokens[0], _decode_rate(stats.decode_tokens, sum(stats.decode_s)), stats
 
 
-def _transformers(hf: Any, prompt: list[int], new_tokens: int, lookup: int | None) -> tuple[list[int], float | None]:
-    """transformers' eager `generate` (its default dynamic cache, which prompt lookup needs),
+def _transformers(hf: Any, prompt: list[int], new_tokens: int, **speculation: Any) -> tuple[list[int], float | None]:
+    """transformers' eager `generate` (its default dynamic cache, which prompt lookup and assisted
+    generation need) with `speculation` (none, `prompt_lookup_num_tokens` or `assistant_model`),
     decode tokens over the time from the first token to the last."""
     from .hf import TokenClock
 
@@ -72,7 +75,7 @@ def _transformers(hf: Any, prompt: list[int], new_tokens: int, lookup: int | Non
             max_new_tokens=new_tokens,
             streamer=clock,
             pad_token_id=0,
-            **({"prompt_lookup_num_tokens": lookup} if lookup else {}),
+            **speculation,
         )
     end = time.perf_counter()
     tokens = out[0, len(prompt) :].tolist()
@@ -82,10 +85,11 @@ def _transformers(hf: Any, prompt: list[int], new_tokens: int, lookup: int | Non
 def _rounds(
     gen: Any, hf: Any, prompt: list[int], spec: Any, new_tokens: int, repeats: int, label: str, on_stage: Any
 ) -> dict[str, Any]:
-    """One prompt: a warm-up, then `repeats` rounds of each way in turn; median decode tokens/s."""
+    """One prompt: a warm-up, then `repeats` rounds of each way in turn; median decode tokens/s.
+    `hf`: transformers' model and its speculation keywords (None: not measured)."""
     on_stage(f"{label}: warming up (compiling the graphs it needs)")
     plain = _staticrt(gen, prompt, new_tokens, None)[0]
-    rates: dict[str, list[float]] = {"plain": [], "speculative": [], "hf": [], "hf_lookup": []}
+    rates: dict[str, list[float]] = {"plain": [], "speculative": [], "hf": [], "hf_speculative": []}
     for round_ in range(repeats):
         on_stage(f"{label}: round {round_ + 1} of {repeats}")
         tokens, rate_off, _ = _staticrt(gen, prompt, new_tokens, None)
@@ -95,10 +99,10 @@ def _rounds(
         rates["plain"].append(rate_off)
         rates["speculative"].append(rate_on)
         if hf is not None:
-            hf_tokens, rate = _transformers(hf, prompt, new_tokens, None)
-            lookup_tokens, lookup_rate = _transformers(hf, prompt, new_tokens, spec.k)
+            hf_tokens, rate = _transformers(hf[0], prompt, new_tokens)
+            lookup_tokens, lookup_rate = _transformers(hf[0], prompt, new_tokens, **hf[1])
             rates["hf"].append(rate)
-            rates["hf_lookup"].append(lookup_rate)
+            rates["hf_speculative"].append(lookup_rate)
     row: dict[str, Any] = {"new_tokens": len(plain)}
     row |= {f"{name}_tok_s": statistics.median(r) if r else None for name, r in rates.items()}
     row |= {"verify_steps": stats.verify_steps, "decode_steps": len(stats.decode_s)}
@@ -111,23 +115,22 @@ def _rounds(
 
 def speculative_bench(
     model_path: str,
-    speculative: str,
+    speculative: str | None,
     backend: str = "compiled",
     threads: int | None = None,
     new_tokens: int = 128,
     repeats: int = 3,
     with_hf: bool = True,
     on_stage: Callable[[str], None] = lambda _: None,
+    draft: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """The report: per prompt and per task kind, decode tokens/s without and with speculation
-    (medians over `repeats` rounds), their ratio, the drafts' acceptance, and transformers'."""
+    (medians over `repeats` rounds), their ratio, the drafts' acceptance, and transformers'.
+    `speculative` "ngram[:K]", or `draft` (a draft model's checkpoint folder, K) instead."""
     import staticrt
 
-    from ..generation.speculative import Speculation
-    from .hf import hf_model_like
     from .machine import machine
 
-    spec = Speculation.parse(speculative)
     if threads:
         torch.set_num_threads(threads)
     model = staticrt.load_model(model_path)
@@ -139,7 +142,7 @@ def speculative_bench(
     }
     longest = max(len(p) for ps in prompts.values() for p in ps)
     gen = staticrt.Generator(model, max_cache_len=256 * -(-(longest + new_tokens) // 256), backend=backend)
-    hf = hf_model_like(model) if with_hf else None
+    spec, hf = _contenders(model, gen, speculative, draft, with_hf)
     rows = []
     for kind, kind_prompts in prompts.items():
         for i, prompt in enumerate(kind_prompts):
@@ -153,9 +156,33 @@ def speculative_bench(
         mine = [r for r in rows if r["kind"] == kind]
         summary[kind] = {"speedup_geomean": statistics.geometric_mean([r["speedup"] for r in mine])}
         if hf is not None:
-            summary[kind]["hf_lookup_speedup_geomean"] = statistics.geometric_mean(
-                [r["hf_lookup_tok_s"] / r["hf_tok_s"] for r in mine]
+            summary[kind]["hf_speculative_speedup_geomean"] = statistics.geometric_mean(
+                [r["hf_speculative_tok_s"] / r["hf_tok_s"] for r in mine]
             )
-    settings = {"model": model_path, "speculative": speculative, "backend": backend, "threads": threads}
+    settings = {"model": model_path, "speculative": speculative, "draft": draft and draft[0], "backend": backend}
+    settings["threads"] = threads
     settings |= {"new_tokens": new_tokens, "repeats": repeats, "k": spec.k}
     return {"settings": settings, "machine": machine(), "prompts": rows, "summary": summary}
+
+
+def _contenders(model: Any, gen: Any, speculative: str | None, draft: tuple[str, int] | None, with_hf: bool) -> Any:
+    """staticrt's speculation, and transformers' model with its speculation keywords (None without
+    `with_hf`): prompt lookup of K tokens; or, with `draft`, a draft model drafting up to K tokens
+    a step on both sides (staticrt's Generator over it on `gen`'s backend and positions, and
+    transformers' `assistant_model`), whose schedules both start at K (+2 on a clean step, -1 on a miss)."""
+    import staticrt
+
+    from ..generation.speculative import Speculation
+    from .hf import hf_model_like
+
+    if draft is None:
+        spec = Speculation.parse(speculative)
+        return spec, (hf_model_like(model), {"prompt_lookup_num_tokens": spec.k}) if with_hf else None
+    draft_model = staticrt.load_model(draft[0])
+    drafter = staticrt.Generator(draft_model, max_cache_len=gen.backend.max_cache_len, backend=gen.backend.name)
+    spec = Speculation("model", draft[1], drafter=drafter)
+    if not with_hf:
+        return spec, None
+    assistant = hf_model_like(draft_model)
+    assistant.generation_config.num_assistant_tokens = draft[1]
+    return spec, (hf_model_like(model), {"assistant_model": assistant})

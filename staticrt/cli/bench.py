@@ -18,7 +18,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _cold_start(args)
     if args.chat_turns is not None:
         return _chat_turns(args)
-    if args.speculative is not None:
+    if args.speculative is not None or args.draft is not None:
         return _speculative(args)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "hf" in backends:
@@ -157,7 +157,10 @@ def _chat_turns(args: argparse.Namespace) -> int:
 
 
 def _speculative(args: argparse.Namespace) -> int:
+    from ..generation.speculative import parse_draft
     from ..loading.gguf_folders import local_checkpoint
+
+    draft = None if args.draft is None else parse_draft(args.draft, args.speculative)
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     backend = next((b for b in backends if b != "hf"), "compiled")
@@ -171,18 +174,22 @@ def _speculative(args: argparse.Namespace) -> int:
             args.repeats,
             with_hf="hf" in backends,
             on_stage=update,
+            draft=None if draft is None else (str(local_checkpoint(draft[0])), draft[1]),
         )
     if args.json:
         write_report(report, args.json)
         console.print(f"wrote {args.json}")
-    columns = ["kind", "prompt", "tokens", "tok/s", "tok/s spec", "speedup", "accepted", "hf tok/s", "hf lookup"]
+    columns = ["kind", "prompt", "tokens", "tok/s", "tok/s spec", "speedup", "accepted", "hf tok/s", "hf spec"]
     keys = ["kind", "prompt", "new_tokens", "plain_tok_s", "speculative_tok_s", "speedup"]
     rows = [
-        [*(r[k] for k in keys), f"{r['accepted']}/{r['drafted']}", r.get("hf_tok_s"), r.get("hf_lookup_tok_s")]
+        [*(r[k] for k in keys), f"{r['accepted']}/{r['drafted']}", r.get("hf_tok_s"), r.get("hf_speculative_tok_s")]
         for r in report["prompts"]
     ]
     show_table(
-        f"{args.model} ({backend}), {args.speculative}, {describe(report['machine'])}", columns, rows, args.format
+        f"{args.model} ({backend}), {args.speculative or 'draft ' + args.draft}, {describe(report['machine'])}",
+        columns,
+        rows,
+        args.format,
     )
     for kind, summary in report["summary"].items():
         console.print(f"{kind}: decode {summary['speedup_geomean']:.2f}x with speculation (geometric mean)")

@@ -90,6 +90,13 @@ def _add_other_runs(bench: Any) -> None:
         "--new-tokens, --repeats), and transformers without and with prompt_lookup_num_tokens=K (hf in --backends)",
     )
     bench.add_argument(
+        "--draft",
+        default=None,
+        metavar="MODEL[:K]",
+        help="instead: as --speculative, drafting up to K tokens a step (default 4) with a draft model sharing "
+        "--model's tokenizer, and transformers with that model as its assistant_model (assisted generation)",
+    )
+    bench.add_argument(
         "--chat-turns",
         type=int,
         default=None,

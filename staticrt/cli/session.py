@@ -125,14 +125,11 @@ def speculation(args: argparse.Namespace, backend: Any) -> Any:
     if args.draft is None:
         return args.speculative
     from ..generation.generator import Generator
-    from ..generation.speculative import DEFAULT_DRAFT, Speculation
+    from ..generation.speculative import Speculation, parse_draft
     from ..loading.checkpoint import load_model
     from ..loading.gguf_folders import local_checkpoint
 
-    if args.speculative is not None:
-        raise GenerationError("give --speculative ngram[:K] (prompt lookup) or --draft MODEL[:K], not both")
-    head, colon, tail = args.draft.rpartition(":")
-    path, k = (head, int(tail)) if colon and tail.isdigit() else (args.draft, DEFAULT_DRAFT)
+    path, k = parse_draft(args.draft, args.speculative)
     if not hasattr(backend, "verify_step"):
         return Speculation("ngram", k)  # refused by name, with the way out, by generate (or serve)
     model = load_model(local_checkpoint(path), dtype=args.dtype, device=model_device(args.device, args.backend))

@@ -145,6 +145,14 @@ class Speculation:
         return time.perf_counter() - began
 
 
+def parse_draft(text: str, speculative: str | None = None) -> tuple[str, int]:
+    """--draft MODEL[:K] as (MODEL, K), K `DEFAULT_DRAFT` where not given; refused beside --speculative."""
+    if speculative is not None:
+        raise GenerationError("give --speculative ngram[:K] (prompt lookup) or --draft MODEL[:K], not both")
+    head, colon, tail = text.rpartition(":")
+    return (head, int(tail)) if colon and tail.isdigit() else (text, DEFAULT_DRAFT)
+
+
 def ngram_draft(tokens: np.ndarray, k: int, max_ngram: int) -> np.ndarray:
     """Up to `k` tokens that followed the latest earlier occurrence of the last n of `tokens [N]`
     (n from `max_ngram` down to 1); empty where none occurs."""
