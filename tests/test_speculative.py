@@ -389,8 +389,8 @@ def test_run_speculates_on_the_real_model_copying_a_paragraph(smollm2, hf_smollm
 
 def test_a_server_speculates_in_its_rows_beside_sampled_rows_and_stops_inside_a_verify_step(hf_checkpoints):
     """Three rows on the window-16 model (rows wrap): two greedy requests whose drafts are verified
-    side by side get transformers' tokens; a sampled one beside them (its row never verifies) gets
-    the tokens it gets from the server without speculation. Then a text that repeats a passage (as
+    side by side with a sampled one (the sampling verify graph, greedy rows as top_k 1) get
+    transformers' tokens; the sampled one gets all it asked for. Then a text that repeats a passage (as
     in the test above, every draft accepted; one a step, since the row has wrapped its 16 slots)
     with a stop id at the answer's 13th token, the first of a verify step's two: the answer ends
     there, and the step's other token reaches neither the finished request nor the token count."""
@@ -436,13 +436,40 @@ def test_a_server_speculates_in_its_rows_beside_sampled_rows_and_stops_inside_a_
     (first, second, sampled, stopped), metrics = served("ngram:4")
     assert [first[0], second[0]] == wants
     assert stopped == (answer[:13], "stop")
-    assert sampled == served(None)[0][2]
+    assert len(sampled[0]) == NEW_TOKENS and sampled[0] != served(None)[0][2][0]  # its row verified
     counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line[:1] != "#"}
     assert counts["staticrt_draft_tokens_total"] > 0
     # no token past the stop reached the finished request, nor counted as generated
     answers = (first, second, sampled, stopped)
     assert counts["staticrt_generated_tokens_total"] == sum(len(tokens) for tokens, _ in answers)
     assert counts['staticrt_requests_finished_total{outcome="stop"}'] == 1
+
+
+def test_a_served_sampled_request_draws_what_generate_draws_with_speculation_for_its_seed(hf_checkpoints, monkeypatch):
+    """A sampled request alone on a speculating server verifies its drafts by speculative
+    sampling's rule, drawing its uniforms from its seed as `generate` does: the same tokens as
+    `generate(do_sample=True, seed=7, speculative="ngram:4")`, which the chi-squared test above
+    holds to the model's distribution, and other tokens than without speculation. The drafting
+    clock is left out (every step may verify), so that both take the same steps."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    monkeypatch.setattr(DraftPolicy, "timed", lambda policy, seconds, tokens: policy.decode_s.append(seconds))
+    gen = generator(hf_checkpoints, "llama")
+    passage = torch.randint(1, 256, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = passage + gen.generate([passage], 24)[0] + passage  # drafts well: it repeats itself
+    options = {"do_sample": True, "seed": 7, "temperature": 0.7}
+    want = gen.generate([ids], NEW_TOKENS, speculative="ngram:4", **options)[0]
+    assert gen.last_stats.verify_steps > 0 and want != gen.generate([ids], NEW_TOKENS, **options)[0]
+    rows, prefiller = generator(hf_checkpoints, "llama", max_batch_size=2), generator(hf_checkpoints, "llama")
+    app, _ = serve_backend(rows.backend, prefiller=prefiller.backend, speculative="ngram:4")
+    with running(app) as url:
+        reply = client(url).completions.create(
+            model="model", prompt=ids, max_tokens=NEW_TOKENS, temperature=0.7, seed=7
+        )
+    assert reply.choices[0].model_extra["token_ids"] == want
 
 
 def test_an_artifact_backend_is_refused_by_name_before_it_serves_or_generates():

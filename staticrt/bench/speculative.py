@@ -87,8 +87,9 @@ def _rounds(
 ) -> dict[str, Any]:
     """One prompt: a warm-up, then `repeats` rounds of each way in turn; median decode tokens/s.
     `hf`: transformers' model and its speculation keywords (None: not measured)."""
-    on_stage(f"{label}: warming up (compiling the graphs it needs)")
+    on_stage(f"{label}: warming up (compiling the graphs it needs, a draft model's included)")
     plain = _staticrt(gen, prompt, new_tokens, None)[0]
+    _staticrt(gen, prompt, new_tokens, spec)
     rates: dict[str, list[float]] = {"plain": [], "speculative": [], "hf": [], "hf_speculative": []}
     for round_ in range(repeats):
         on_stage(f"{label}: round {round_ + 1} of {repeats}")

@@ -132,7 +132,9 @@ def _add_serving_policy(serve: Any) -> None:
         "prompt continues one is seated with it restored, so more conversations than rows each keep their "
         "prefix (llama.cpp's --cache-ram); only what a row holds is kept",
     )
-    add_speculative_arg(serve, "greedy requests get greedy decoding's tokens, sampled ones decode a token a step")
+    add_speculative_arg(
+        serve, "greedy requests get greedy decoding's tokens, sampled ones keep drafts by speculative sampling's rule"
+    )
     warmup = "build every graph the server needs into the compile cache and exit (once, in a deployment's image)"
     serve.add_argument("--warmup-only", action="store_true", help=warmup)
 

@@ -60,7 +60,8 @@ def schedule_backend(
     there, in chunks of the prefiller's continuing graphs up to REUSE_WIDTH (`reuse_widths`).
     `cache_ram_mb`: a host pool of that many MB (0: none) keeps the rows new requests overwrite
     and restores one where a prompt continues it (rows.py; a model backend or a torch artifact).
-    `speculative` ("ngram[:K]"): greedy rows verify tokens drafted from their own (planning.py).
+    `speculative` ("ngram[:K]", or a draft model's Speculation): rows verify drafted tokens, greedy
+    ones keeping what the argmax agrees with, sampled ones by speculative sampling's rule (planning.py).
     Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
     so that no request waits for a compile and no compile stalls the rows being served."""
     try:
@@ -102,8 +103,8 @@ def _graph_plan(
     backend: Any, prefiller: Any, reuse_prefix: bool, spec: Speculation | None
 ) -> list[tuple[Any, tuple[int, ...], dict[str, Any]]]:
     """Every graph serving needs, as (backend, widths, how to build them); with speculation
-    (`spec`), the verify step (greedy rows only) and a draft model's steps: its decode step and
-    the prefill of a row's rest, from 0 or continuing what the row holds."""
+    (`spec`), the verify steps (greedy, and sampling for a step where a row samples) and a draft
+    model's: its decode step and the prefill of a row's rest, from 0 or continuing what it holds."""
     plan = []
     for do_sample in (False, True):
         if prefiller is None:
@@ -113,8 +114,9 @@ def _graph_plan(
             plan.append((prefiller, prefiller.buckets, {"do_sample": do_sample}))
             widths = {*chunk_widths(prefiller), *(reuse_widths(prefiller) if reuse_prefix else ())}
             plan.append((prefiller, tuple(sorted(widths)), {"do_sample": do_sample, "continuing": True}))
-    if spec is not None:
-        plan.append((backend, (spec.k + 1,), {"do_sample": False, "continuing": True, "fresh": False, "verify": True}))
+        if spec is not None:
+            verify = {"do_sample": do_sample, "continuing": True, "fresh": False, "verify": True}
+            plan.append((backend, (spec.k + 1,), verify))
     if spec is not None and spec.drafter is not None:
         drafter = spec.drafter.backend
         plan.append((drafter, (*drafter.buckets, 1), {"do_sample": False, "continuing": True}))

@@ -212,23 +212,25 @@ class Plan:
     def choose(self, jobs: list[Job]) -> None:
         """How the step picks each row's token: greedy when every row of `jobs` is greedy (the
         greedy graph, as a lone generation uses); else the sampling graph with each row's own
-        parameters and one uniform from its own generator, greedy rows as top_k 1 (the argmax)."""
+        parameters and uniforms from its own generator, greedy rows as top_k 1 (the argmax): one
+        a row, or in a verify step two a position `[T, 2]` (`sampling.verify_sample`)."""
         sampled = [job for job in jobs if job.request.sampling.do_sample]
         if not sampled:
             return
-        batch = len(self.write_index)
+        batch, width = self.input_ids.shape
         temperature = np.ones(batch, dtype=np.float32)
         top_k = np.ones(batch, dtype=np.int64)
         top_p = np.ones(batch, dtype=np.float32)
-        uniforms = np.zeros(batch, dtype=np.float32)
+        draws = () if self.drafts is None else (width, 2)
+        uniforms = np.zeros((batch, *draws), dtype=np.float32)
         for job in sampled:
             params, row = job.request.sampling, self.slot[job]
             temperature[row], top_k[row], top_p[row] = params.temperature, params.top_k, params.top_p
-            uniforms[row] = job.rng.random(dtype=np.float32)
+            uniforms[row] = job.rng.random(draws, dtype=np.float32)
         self.sampling = (SamplingParams(True, temperature, top_k, top_p), uniforms)
 
     def run(self) -> np.ndarray:
         """The step: each row's next token `[B]`, or in a verify step the token after each position `[B, T]`."""
         if self.drafts is not None:
-            return self.backend.verify_step(self.input_ids, self.write_index, self.num_new)
+            return self.backend.verify_step(self.input_ids, self.write_index, self.num_new, *self.sampling)
         return self.backend.step(self.input_ids, self.write_index, self.num_new, *self.sampling)

@@ -2,7 +2,7 @@
 and which of them get a token from it. Prefill and decode steps alternate; a prompt is prefilled
 alone in a batch-1 prefiller where there is one, else beside the rows it shares a bucket with,
 while the decoding rows sit out with their padding past their length. With speculation, a decode
-step becomes a verify step where the decoding rows are greedy and some of them drafted tokens.
+step becomes a verify step where some decoding rows drafted tokens.
 Imports no torch."""
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ def _verify_plan(
     prefilling: list[Job],
     drafting: Drafting,
 ) -> Plan | None:
-    """A verify step where every decoding row is greedy (the step returns argmaxes), the policy
-    lets it, every row has k + 1 positions left and some row drafted; else None (a decode step)."""
+    """A verify step where the policy lets it, every row has k + 1 positions left and some row
+    drafted; else None (a decode step). Greedy rows take the drafts the model's argmax agrees
+    with; sampled rows (beside them, greedy ones as top_k 1) speculative sampling's rule."""
     spec, limit = drafting.spec, backend.max_sequence_len
-    if not decoding or any(job.request.sampling.do_sample for job in decoding) or not drafting.policy.ready():
+    if not decoding or not drafting.policy.ready():
         return None
     ends = [job.position for job in decoding] + [job.fed for job in prefilling]
     if limit is not None and max(ends) + spec.k + 1 > limit:

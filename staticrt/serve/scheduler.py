@@ -19,9 +19,9 @@ next occupant writes every position it attends to before it attends to it.
 A request is seated in the free row that holds the longest prefix of its prompt and prefills only
 the rest; a freed row keeps its contents until it is reused, and then in a host pool (rows.py).
 
-With speculation (`drafting`), a decode step where every decoding row is greedy becomes a verify
-step (planning.py): each row feeds its next token and the tokens it drafts from its own, takes
-those the model agrees with plus the model's token, and the rows that drafted nothing advance one.
+With speculation (`drafting`), a decode step becomes a verify step (planning.py): each row feeds
+its next token and its drafted tokens, takes those the model agrees with (a sampled row: those
+speculative sampling's rule keeps) plus the model's token; rows that drafted nothing advance one.
 
 One thread runs the steps; requests come from any thread, and each job's `emit` is called on the
 stepping thread. `staticrt serve` steps on the thread that loaded and compiled the model (`run`):
