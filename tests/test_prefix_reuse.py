@@ -229,21 +229,33 @@ def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints):
     assert f"staticrt_prefilled_tokens_total {prompt_tokens - sum(cached)}.0" in metrics
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "mistral-sw16"])
-def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf_checkpoints, name):
+@pytest.mark.filterwarnings("ignore::staticrt.caches.OffloadWarning")  # offloaded on a CPU: the same tokens
+@pytest.mark.parametrize(
+    ("name", "cache"),
+    [
+        ("llama", "static"),
+        ("gemma2", "hybrid"),
+        ("mistral-sw16", "sliding"),
+        ("llama", "static-int8"),
+        ("llama", "offloaded"),
+    ],
+)
+def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf_checkpoints, name, cache):
     """Two rows, three conversations A, B, C after the system prompt, two turns each, one request
     at a time. Turn 1: B and C are seated in the row holding the system prompt, whose conversation
     goes to the host pool first. Turn 2: no row holds a conversation, the pool does: each is
     restored into the least recently used row and keeps all it fed (its prompt and answer but the
     answer's last token). Every answer is a lone generate's, on static, hybrid and sliding caches
     (window 16: restored slots wrapped, and a wrapped row cannot back off to the system prompt, so
-    there turn 1 keeps nothing). With a pool too small for a row, turn 2 keeps no more than turn 1."""
+    there turn 1 keeps nothing), an int8 one (its scales restored with it) and an offloaded one
+    (host storage and device working buffers). With a pool too small for a row, turn 2 keeps no
+    more than turn 1."""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import client, running
 
     from staticrt.serve import serve_backend
 
-    cache, max_cache_len = CASES[name]
+    max_cache_len = CASES[name][1]
     model = staticrt.load_model(hf_checkpoints[name][0])
     build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=max_cache_len, cache=cache)  # noqa: E731
     lone = build(1)
@@ -264,7 +276,7 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
             return answers, cached, httpx.get(f"{url}/metrics").text
 
     _, cached, metrics = converse(cache_ram_mb=16)
-    system = 12 if cache == "static" else 0
+    system = 0 if cache in ("hybrid", "sliding") else 12
     turn_two = {c: len(firsts[c]) + 5 for c in "ABC"}
     assert cached == {**{(c, 1): system if c != "A" else 0 for c in "ABC"}, **{(c, 2): turn_two[c] for c in "ABC"}}
     assert "staticrt_prefix_pool_restores_total 3.0" in metrics

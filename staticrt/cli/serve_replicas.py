@@ -80,17 +80,20 @@ def cmd_serve_replicas(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    started = False
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
+        started = True
         console.print(f"starting {plan.replicas} replicas on Ray (each builds its graphs before it is healthy) ...")
         serve.run(app, name=APP, route_prefix="/")
         console.print(banner(args, plan), soft_wrap=True)
         while not stop.wait(0.5):
             pass
         console.print(f"stopping: open requests have {args.drain_timeout} s to finish")
-    finally:
-        serve.delete(APP)  # Ray waits for each replica's open requests, up to graceful_shutdown_timeout_s
-        if args.ray_address is None:  # the local instance this command started
+    finally:  # where serve.start failed there is nothing to delete, and its error is the one to see
+        if started:
+            serve.delete(APP)  # Ray waits for each replica's open requests, up to graceful_shutdown_timeout_s
+        if started and args.ray_address is None:  # the local instance this command started
             serve.shutdown()
         ray.shutdown()
     return 0
