@@ -284,6 +284,41 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
     assert {cached[c, 2] for c in "ABC"} == {system} and "staticrt_prefix_pool_restores_total 0.0" in metrics
 
 
+def test_two_pool_entries_holding_the_same_ids_are_told_apart(hf_checkpoints):
+    """Two rows that held the same conversation both go to the pool; restoring the newer one takes
+    that one out (a server's replicas saw it: identical requests in a burst), as itself."""
+    from staticrt.serve.rows import RowMemory
+
+    backend = staticrt.Generator(staticrt.load_model(hf_checkpoints["llama"][0]), max_batch_size=2).backend
+    memory = RowMemory(backend, reuse=True, pool_bytes=2**20)
+    memory.held = [[1, 2, 3, 4], [1, 2, 3, 4]]
+    memory.seat(0, 0, order=0)
+    memory.seat(1, 0, order=1)  # both overwritten: two entries, the same ids
+    older, newer = memory.pool
+    row, kept, saved = memory.best([1, 2, 3, 4, 5], [0, 1])
+    assert (row, kept, saved) == (0, 4, newer)
+    memory.seat(row, kept, 2, saved)
+    assert memory.pool == [older] and memory.held[0] == [1, 2, 3, 4]
+
+
+def test_a_failing_pool_costs_the_prefix_and_never_the_request(hf_checkpoints, caplog, monkeypatch):
+    """A pool that cannot copy a row (here: out of memory) seats the request with nothing kept, its
+    row forgotten, and says so; the scheduler's thread goes on (a failure there hung its rows)."""
+    from staticrt.serve.rows import RowMemory
+
+    backend = staticrt.Generator(staticrt.load_model(hf_checkpoints["llama"][0]), max_batch_size=2).backend
+    memory = RowMemory(backend, reuse=True, pool_bytes=2**20)
+    memory.held = [[1, 2, 3, 4], []]
+
+    def no_room(row: int, length: int) -> None:
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(backend, "stash_row", no_room)
+    assert memory.seat(0, 2, order=0) == 0
+    assert memory.held[0] == [] and memory.pool == []
+    assert "the host pool failed (MemoryError: no room); the request prefills its whole prompt" in caplog.text
+
+
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_quantized_weights_and_an_int8_cache_reuse_a_row_exactly(hf_checkpoints, quantize):
     """int8/int4 weights and a static-int8 cache (K/V int8 with a scale a token): a conversation

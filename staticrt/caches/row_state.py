@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: a state is equal to itself only
 class RowState:
     """Host copies of one row of each buffer, in the order the buffers were given."""
 

@@ -21,6 +21,7 @@ The pool drops its least recently used entries past its size. Imports no torch.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,10 @@ from ..generation.buckets import chunk_end
 from ..generation.loop import StepBackend
 from ..generation.prefix import kept_prefix
 
+log = logging.getLogger("staticrt")
 
-@dataclass
+
+@dataclass(eq=False)  # an entry is itself: two may hold the same ids, and tensors have no truth value
 class Saved:
     """A row's contents in the host pool: its ids, its memory's marks, the backend's copy."""
 
@@ -88,17 +91,24 @@ class RowMemory:
                 return min(free, key=lambda r: self.used[r]), pooled[id(saved)], saved
         return row, kept[row], None
 
-    def seat(self, row: int, kept: int, order: int, saved: Saved | None = None) -> None:
+    def seat(self, row: int, kept: int, order: int, saved: Saved | None = None) -> int:
         """`row` takes a request that keeps `kept` of what it holds (of `saved`'s, restored first);
-        what the row held past that goes to the pool first."""
-        if self.pool_bytes:
-            self._save(row, kept if saved is None else 0)
-        if saved is not None:
-            self.pool.remove(saved)
-            self.backend.restore_row(row, saved.state)
-            self.held[row], self.beyond[row], self.since[row] = list(saved.held), saved.beyond, saved.since
+        what the row held past that goes to the pool first. Returns what the request keeps: `kept`,
+        or 0 where the pool failed (a pool costs a prefix at worst, never a request or the rows)."""
+        try:
+            if self.pool_bytes:
+                self._save(row, kept if saved is None else 0)
+            if saved is not None:
+                self.pool.remove(saved)
+                self.backend.restore_row(row, saved.state)
+                self.held[row], self.beyond[row], self.since[row] = list(saved.held), saved.beyond, saved.since
+        except Exception as err:
+            log.warning("the host pool failed (%s: %s); the request prefills its whole prompt", type(err).__name__, err)
+            self.forget(row)
+            kept = 0
         self._cut(row, kept)
         self.used[row] = order
+        return kept
 
     def _save(self, row: int, kept: int) -> None:
         """Copy `row` to the pool where it holds more than the `kept` ids its next request keeps

@@ -208,9 +208,8 @@ class Scheduler:
 
     def _seat(self, job: Job, row: int, kept: int = 0, saved: Saved | None = None) -> None:
         """`job` takes `row`, keeping `kept` prompt tokens of what it holds (of `saved`'s, restored there)."""
+        self.rows[row], kept = job, self.memory.seat(row, kept, job.order, saved)
         job.row, job.fed, job.kept = row, kept, kept
-        self.rows[row] = job
-        self.memory.seat(row, kept, job.order, saved)
         self.metrics.pool_restores.inc(saved is not None)
         self.metrics.pool_bytes.set(self.memory.pooled_bytes)
 
