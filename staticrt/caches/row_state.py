@@ -12,6 +12,7 @@ of its 25.6 MB. Writes are in place: compiled and captured graphs keep their add
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,14 +50,15 @@ def load_row(buffers: Sequence[torch.Tensor], row: int, state: RowState) -> None
         target.copy_(part)
 
 
-class RowStash:
+class RowStash(ABC):
     """`stash_row`/`restore_row` for a step backend whose cache state is `row_buffers()` (batch-first
     tensors) and whose rows reach `max_sequence_len` positions."""
 
     max_sequence_len: int | None
 
+    @abstractmethod
     def row_buffers(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Every tensor of the backend's cache state, batch-first, in a fixed order."""
 
     def stash_row(self, row: int, length: int) -> RowState:
         """A host copy of what row `row` holds in its first `length` positions (its rotating slots whole)."""

@@ -95,8 +95,7 @@ class Speculation:
             # drafts) after what it keeps drafts nothing and feeds one token at 0: its loop would
             # otherwise prefill every row whole, a prefill writing a whole bucket after what a row keeps
             if limit is not None and len(c) - lags[r] + max(buckets[0], self.k) > limit:
-                contexts[r], rooms[r] = c[:1] * 0, 0
-        lags = self._behind(contexts)
+                contexts[r], rooms[r], lags[r] = c[:1] * 0, 0, 1  # one token to feed, nothing kept
         if not any(rooms) or (max(lags) > buckets[-1] and not catch_up) or not self._catch_up(contexts, lags):
             return [c[:0] for c in contexts]
         continued = self.drafter.generate([c.tolist() for c in contexts], max(rooms), reuse_prefix=True)
