@@ -210,7 +210,7 @@ class Scheduler:
         """`job` takes `row`, keeping `kept` prompt tokens of what it holds (of `saved`'s, restored there)."""
         self.rows[row], kept = job, self.memory.seat(row, kept, job.order, saved)
         job.row, job.fed, job.kept = row, kept, kept
-        self.metrics.pool_restores.inc(saved is not None)
+        self.metrics.pool_restores.inc(saved is not None and kept > 0)  # 0: the pool failed, nothing restored
         self.metrics.pool_bytes.set(self.memory.pooled_bytes)
 
     def _start_wave(self) -> None:
