@@ -88,7 +88,7 @@ def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_ar
     assert {n.domain for n in graph.graph.node} == {""}  # standard ops only, no staticrt domain
     producers = {out: n for n in graph.graph.node for out in n.output}
     modes = {}
-    for output in graph.graph.output[1:]:  # every present is a TensorScatter's own output (no copy after it)
+    for output in graph.graph.output[2:]:  # every present is a TensorScatter's own output (no copy after it)
         node = producers[output.name]
         assert node.op_type == "TensorScatter"
         modes[output.name] = onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "mode"))
@@ -99,8 +99,16 @@ def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_ar
         "present.1.key": b"linear",
         "present.1.value": b"linear",
     }
-    assert [i.name for i in graph.graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
-    assert manifest["onnx"]["inputs"][3] == {
+    assert [i.name for i in graph.graph.input][:4] == ["input_ids", "attention_mask", "position_ids", "logits_index"]
+    # logits_index is optional: an initializer of its name, [-1], is its default (the last column)
+    assert [
+        (t.name, list(onnx.numpy_helper.to_array(t))) for t in graph.graph.initializer if t.name == "logits_index"
+    ] == [("logits_index", [-1])]
+    assert manifest["onnx"]["outputs"][:2] == [
+        {"name": "logits", "shape": ["batch_size", 1, 256], "dtype": "float32"},  # genai: the last column's alone
+        {"name": "indexed_logits", "shape": ["batch_size", "logits_length", 256], "dtype": "float32"},
+    ]
+    assert manifest["onnx"]["inputs"][4] == {
         "name": "past_key_values.0.key",
         "shape": ["batch_size", 2, 32, 16],
         "dtype": "float32",

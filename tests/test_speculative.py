@@ -478,10 +478,10 @@ def test_an_artifact_backend_is_refused_by_name_before_it_serves_or_generates():
     from staticrt.generation.speculative import check_verifies
 
     with pytest.raises(GenerationError) as raised:
-        check_verifies(SimpleNamespace(name="onnx"))  # an artifact's backend: no verify_step
+        check_verifies(SimpleNamespace(name="exported-aoti"))  # a torch artifact's backend: no verify_step
     assert str(raised.value) == (
-        "the onnx backend has no verify step for speculative decoding; use a torch model backend (eager, "
-        "compiled, cudagraph), or no speculation (drop --speculative; speculative=None)"
+        "the exported-aoti backend has no verify step for speculative decoding; use a torch model backend "
+        "(eager, compiled, cudagraph) or an onnx artifact, or no speculation (drop --speculative; speculative=None)"
     )
 
 

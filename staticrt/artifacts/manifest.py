@@ -28,6 +28,9 @@ SEAL = "manifest_sha256"
 FORMATS = ("aoti", "pt2", "onnx")
 TORCH_FORMATS = ("aoti", "pt2")
 REEXPORT = "re-export the artifact with `staticrt export`"
+# The ONNX graph's optional input picking the step's columns that get logits, and the output that
+# holds them (exporters/onnx_export.py).
+LOGITS_INDEX, INDEXED_LOGITS = "logits_index", "indexed_logits"
 
 # Every field a loader reads, by dotted path, with the JSON types it may hold (None: null).
 FIELDS: dict[str, tuple[type | None, ...]] = {

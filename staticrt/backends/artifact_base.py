@@ -51,11 +51,13 @@ class ArtifactBackend:
         """Nothing beyond the timings: the runtime owns the artifact's memory."""
         return {}
 
-    def prepare(self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True) -> float:
+    def prepare(
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, **_: Any
+    ) -> float:
         """Nothing to build: the programs were compiled at export and loaded with the artifact."""
         return 0.0
 
     def unbuilt(
-        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True
+        self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, **_: Any
     ) -> set[Hashable]:
         return set()

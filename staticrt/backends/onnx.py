@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from ..artifacts.manifest import INDEXED_LOGITS, LOGITS_INDEX, REEXPORT
 from ..errors import ArtifactError, check_positions, first_line
-from ..generation.host_sampling import choose
+from ..generation.host_sampling import choose, verify
 from ..generation.loop import SamplingParams
 from .artifact_base import ArtifactBackend
 
@@ -33,6 +34,10 @@ def _session(
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    # Loading logs errors only: the graph's optional input (logits_index, whose default is an
+    # initializer) draws a warning on every load that it is not constant-folded, which it must not
+    # be. A run logs warnings (`run_options`), where ONNX Runtime says what it copies.
+    options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
     providers: list[Any] = ["CPUExecutionProvider"]
@@ -84,6 +89,18 @@ class OnnxBackend(ArtifactBackend):
         self.session = _session(folder / section["graph"], section, threads, device, graphs, manifest["dtype"])
         self.device = device
         self._check_graph(folder / section["graph"], section)
+        # Why this runner cannot check drafts (speculative.check_verifies), or None where it can.
+        self.indexed = LOGITS_INDEX in {value.name for value in self.session.get_overridable_initializers()}
+        self.verify_refusal = (
+            None
+            if self.indexed and self.batch_size == 1
+            else f"{folder}'s graph returns the last column's logits only (exported by an earlier staticrt): "
+            f"{REEXPORT} to speculate on it"
+            if not self.indexed
+            else f"the onnx backend checks drafts in one row, and {folder} holds {self.batch_size}: its graph "
+            "writes a column of every row at once, so rows keeping different numbers of drafts would leave holes; "
+            "re-export it with --batch-size 1 to speculate, or drop --speculative"
+        )
         # The graph takes any prompt width; the loop's padding is stripped in `_step_inputs`.
         self.buckets = (self.max_sequence_len or manifest["model"]["config"]["max_position_embeddings"],)
         self.caches: dict[str, Any] = {}  # past input name -> its OrtValue [B, H_kv, N_i, D]
@@ -96,15 +113,14 @@ class OnnxBackend(ArtifactBackend):
                 # One buffer as past and present: every step's write lands in it, in place.
                 self.binding.bind_ortvalue_input(spec["name"], value)
                 self.binding.bind_ortvalue_output(spec["name"].replace("past_key_values.", "present."), value)
-        logits_dtype = next(spec["dtype"] for spec in section["outputs"] if spec["name"] == "logits")
-        self.logits = ort.OrtValue.ortvalue_from_shape_and_type(
-            [self.batch_size, 1, self.vocab_size], np.dtype(logits_dtype), device, 0
-        )
-        self.binding.bind_ortvalue_output("logits", self.logits)  # [B, 1, V]
+        self.logits_dtype = np.dtype(next(spec["dtype"] for spec in section["outputs"] if spec["name"] == "logits"))
+        self.logits: dict[int, Any] = {}  # columns a row -> the logits' buffer [B, columns, V] (`_logits`)
         self.mask = np.zeros((self.batch_size, self.max_sequence_len or 0), dtype=np.int64)  # [B, width]
         self.columns = 0  # columns written so far (the same for every row)
         self.device_inputs: dict[tuple[str, tuple[int, ...]], Any] = {}
         self.run_options = {1: ort.RunOptions(), 0: ort.RunOptions()}
+        for options in self.run_options.values():
+            options.log_severity_level = 2  # warnings, as the session's default would
         if device == "cuda" and self.max_sequence_len:  # decode replays one captured graph; prefill never
             self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
             self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
@@ -167,13 +183,13 @@ class OnnxBackend(ArtifactBackend):
         return ids, self.mask[:, :width], positions
 
     def _device_input(self, name: str, value: np.ndarray) -> Any:
-        """A device OrtValue holding `value`. Decode's inputs (one column, and the fixed-width mask)
-        are kept, one per shape, so every decode step reads the same addresses, as a CUDA graph
-        replay must; a prefill's (any width) are made for the step."""
+        """A device OrtValue holding `value`. Decode's inputs (one column, the fixed-width mask,
+        logits_index [-1]) are kept, one per shape, so every decode step reads the same addresses,
+        as a CUDA graph replay must; a prefill's (any width) are made for the step."""
         import onnxruntime as ort
 
         key = (name, value.shape)
-        if value.shape[1] != 1 and name != "attention_mask":
+        if value.shape[-1] != 1 and name != "attention_mask":
             return ort.OrtValue.ortvalue_from_numpy(value, self.device, 0)
         if key not in self.device_inputs:
             self.device_inputs[key] = ort.OrtValue.ortvalue_from_numpy(value, self.device, 0)
@@ -189,17 +205,57 @@ class OnnxBackend(ArtifactBackend):
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
+        logits = self._run(input_ids, write_index, num_new, every_column=False)  # [B, 1, V]
+        return choose(logits[:, -1], sampling, uniforms)
+
+    def verify_step(
+        self,
+        input_ids: np.ndarray,
+        write_index: np.ndarray,
+        num_new: np.ndarray,
+        sampling: SamplingParams | None = None,
+        uniforms: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """A step that checks drafted tokens (speculative.py), one row: it feeds
+        `input_ids[0, :num_new[0]]` (its next token, then its draft) and gets the token after each
+        position, `[1, T]` int64, greedy or with `uniforms [1, T, 2]` by speculative sampling's rule.
+        The row's columns are its positions, so the next step overwrites what a rejected draft wrote."""
+        assert self.batch_size == 1, "check_verifies refuses the onnx backend's verify past one row"
+        logits = self._run(input_ids, write_index, num_new, every_column=True)  # [1, S, V], S = num_new[0]
+        fed = logits.shape[1]
+        uniforms = None if uniforms is None else uniforms[:, :fed]
+        chosen = np.zeros(input_ids.shape, dtype=np.int64)  # [1, T]: the loop's right padding answers 0
+        chosen[:, :fed] = verify(logits, input_ids[:, :fed], num_new, sampling or SamplingParams(), uniforms)
+        return chosen
+
+    def _run(self, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray, every_column: bool) -> Any:
+        """Run the graph: logits `[B, 1, V]` at the step's last column, or `[B, S, V]` at every one
+        (`every_column`); the step's one device-to-host read."""
         way_out = self.remedy("max_cache_len")
         check_positions(write_index, int(num_new.max()), self.max_sequence_len, self.cache_kind, way_out=way_out)
         ids, mask, positions = self._step_inputs(input_ids, write_index, num_new)
-        for name, value in (("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)):
+        seq_len = ids.shape[1] if every_column else 1
+        inputs = [("input_ids", ids), ("attention_mask", mask), ("position_ids", positions)]
+        if self.indexed:  # a graph exported before the input returns the last column's alone
+            inputs.append((LOGITS_INDEX, np.arange(-seq_len, 0, dtype=np.int64)))  # [L]: the last L columns
+        for name, value in inputs:
             value = np.ascontiguousarray(value)
-            if self.device == "cpu":
+            if self.device == "cpu" and name != LOGITS_INDEX:  # an overridable initializer binds as an OrtValue
                 self.binding.bind_cpu_input(name, value)
             else:
                 self.binding.bind_ortvalue_input(name, self._device_input(name, value))
+        self.binding.bind_ortvalue_output(INDEXED_LOGITS if self.indexed else "logits", self._logits(seq_len))
         self.session.run_with_iobinding(self.binding, self.run_options[int(ids.shape[1] == 1)])
-        return choose(self.logits.numpy()[:, -1], sampling, uniforms)  # [B, V]: the step's one device-to-host read
+        return self._logits(seq_len).numpy()
+
+    def _logits(self, columns: int) -> Any:
+        """The output buffer of logits at `columns` columns a row, `[B, columns, V]`, one per width."""
+        import onnxruntime as ort
+
+        if columns not in self.logits:
+            shape = [self.batch_size, columns, self.vocab_size]
+            self.logits[columns] = ort.OrtValue.ortvalue_from_shape_and_type(shape, self.logits_dtype, self.device, 0)
+        return self.logits[columns]
 
 
 def _has_cuda_device() -> bool:

@@ -57,7 +57,7 @@ def staticrt_contender(
     weight_bytes = None
     if backend == "onnx":
         spec = CacheSpec(cache, len(prompts), max_cache_len)
-        gen, weight_bytes = _onnx_generator(model, spec, len(prompts[0]), parse_quantize(quantize))
+        gen, weight_bytes = onnx_generator(model, spec, len(prompts[0]), parse_quantize(quantize))
     else:
         gen = Generator(
             model,
@@ -78,7 +78,7 @@ def staticrt_contender(
     return Contender(run, tokens, warmup_s, gen.backend.report, gen.last_stats.compile_s, weight_bytes)
 
 
-def _onnx_generator(model: Decoder, spec: CacheSpec, bucket: int, quantize: QuantSpec | None) -> tuple[Generator, int]:
+def onnx_generator(model: Decoder, spec: CacheSpec, bucket: int, quantize: QuantSpec | None) -> tuple[Generator, int]:
     """ONNX Runtime over a temporary export, and the bytes of weights its graph reads a step."""
     from ..exporters import export_artifact
 

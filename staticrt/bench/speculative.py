@@ -130,6 +130,8 @@ def speculative_bench(
     `speculative` "ngram[:K]", or `draft` (a draft model's checkpoint folder, K) instead."""
     import staticrt
 
+    from ..caches import CacheSpec
+    from .contenders import onnx_generator
     from .machine import machine
 
     if threads:
@@ -142,7 +144,11 @@ def speculative_bench(
         for kind, texts in TASKS.items()
     }
     longest = max(len(p) for ps in prompts.values() for p in ps)
-    gen = staticrt.Generator(model, max_cache_len=256 * -(-(longest + new_tokens) // 256), backend=backend)
+    max_cache_len = 256 * -(-(longest + new_tokens) // 256)
+    if backend == "onnx":  # ONNX Runtime over a temporary export of one row (its graph takes any width)
+        gen = onnx_generator(model, CacheSpec("static", 1, max_cache_len), 16, None)[0]
+    else:
+        gen = staticrt.Generator(model, max_cache_len=max_cache_len, backend=backend)
     spec, hf = _contenders(model, gen, speculative, draft, with_hf)
     rows = []
     for kind, kind_prompts in prompts.items():
@@ -173,6 +179,7 @@ def _contenders(model: Any, gen: Any, speculative: str | None, draft: tuple[str,
     transformers' `assistant_model`), whose schedules both start at K (+2 on a clean step, -1 on a miss)."""
     import staticrt
 
+    from ..generation.generator import MODEL_BACKENDS
     from ..generation.speculative import Speculation
     from .hf import hf_model_like
 
@@ -180,7 +187,11 @@ def _contenders(model: Any, gen: Any, speculative: str | None, draft: tuple[str,
         spec = Speculation.parse(speculative)
         return spec, (hf_model_like(model), {"prompt_lookup_num_tokens": spec.k}) if with_hf else None
     draft_model = staticrt.load_model(draft[0])
-    drafter = staticrt.Generator(draft_model, max_cache_len=gen.backend.max_cache_len, backend=gen.backend.name)
+    drafter = staticrt.Generator(  # an artifact's draft model runs eager, as run's does
+        draft_model,
+        max_cache_len=gen.backend.max_cache_len,
+        backend=gen.backend.name if gen.backend.name in MODEL_BACKENDS else "eager",
+    )
     spec = Speculation("model", draft[1], drafter=drafter)
     if not with_hf:
         return spec, None

@@ -124,21 +124,20 @@ def speculation(args: argparse.Namespace, backend: Any) -> Any:
     over that model, loaded as --model is, on the same backend, with the rows and positions of `backend`."""
     if args.draft is None:
         return args.speculative
-    from ..generation.generator import Generator
-    from ..generation.speculative import Speculation, parse_draft
+    from ..generation.generator import MODEL_BACKENDS, Generator
+    from ..generation.speculative import Speculation, check_verifies, parse_draft
     from ..loading.checkpoint import load_model
     from ..loading.gguf_folders import local_checkpoint
 
     path, k = parse_draft(args.draft, args.speculative)
-    if not hasattr(backend, "verify_step"):
-        return Speculation("ngram", k)  # refused by name, with the way out, by generate (or serve)
+    check_verifies(backend)  # before the draft model loads
     model = load_model(local_checkpoint(path), dtype=args.dtype, device=model_device(args.device, args.backend))
     drafter = Generator(
         model,
         cache=args.cache,
         max_batch_size=backend.batch_size,
         max_cache_len=backend.max_cache_len,
-        backend=args.backend or "eager",
+        backend=args.backend if args.backend in MODEL_BACKENDS else "eager",  # an artifact's draft runs eager
         window=args.window,
     )
     return Speculation("model", k, drafter=drafter)

@@ -4,8 +4,17 @@ One graph serves prefill and decode (S and T are dynamic; batch, heads, slots an
 fixed by the cache):
 
   inputs   input_ids [B, S] int64, attention_mask [B, T] int64 (T = columns so far, this step's
-           included), position_ids [B, S] int64, past_key_values.{i}.key|value [B, H_kv, N_i, D]
-  outputs  logits [B, 1, V] (the step's last column), present.{i}.key|value [B, H_kv, N_i, D]
+           included), position_ids [B, S] int64, past_key_values.{i}.key|value [B, H_kv, N_i, D],
+           logits_index [L] int64 (optional: an initializer, [-1], is its default)
+  outputs  logits [B, 1, V] (the step's last column), indexed_logits [B, L, V] (at the step's
+           columns logits_index, counted from the end where negative), present.{i}.key|value
+           [B, H_kv, N_i, D]
+
+A runner that checks drafted tokens (speculative decoding) feeds logits_index = [-S .. -1] and
+reads indexed_logits, the logits after every column of the step; any other step, and
+onnxruntime-genai (which knows neither name), leave the input out: the head then runs on the last
+column alone, and `logits` is that column's. genai reads a graph whose logits are a fixed 1 wide as
+one that returns the last column's alone.
 
 An int8 cache (caches/quantized.py) stores int8 K/V and adds past_key_values.{i}.key_scale|value_scale
 [B, H_kv, N_i, 1] (and their presents) in the model's dtype: the graph quantizes the step's entries
@@ -44,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ..artifacts.manifest import INDEXED_LOGITS, LOGITS_INDEX
 from ..caches import KVCache
 from ..caches.ops import onnx_translations
 from ..errors import ArtifactError
@@ -72,7 +82,7 @@ def check_onnx_cache(cache: KVCache) -> None:
 
 
 def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
-    """Inputs to trace with: S = 5 and T = 7 (sizes of 0 and 1 would be specialised), zero caches."""
+    """Inputs to trace with: S = 5, T = 7 and L = 2 (sizes of 0 and 1 would be specialised), zero caches."""
     batch, seq_len, total = cache.spec.max_batch_size, 5, 7
     device = cache.device
     past = [
@@ -81,14 +91,15 @@ def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
         for _, shape, dtype in cache.part_layout(cache.layer_shape(n))
     ]
     ids = torch.zeros(batch, seq_len, dtype=torch.int64, device=device)
-    return ids, torch.ones(batch, total, dtype=torch.int64, device=device), ids.clone(), *past
+    logits_index = torch.tensor([3, 4], dtype=torch.int64, device=device)  # the graph takes [-2, -1] alike
+    return ids, torch.ones(batch, total, dtype=torch.int64, device=device), ids.clone(), logits_index, *past
 
 
 def io_names(cache: KVCache) -> tuple[list[str], list[str]]:
     kv = [f"{i}.{part}" for i in range(len(cache.rotating)) for part in cache.parts]
     return (
-        ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{n}" for n in kv)],
-        ["logits", *(f"present.{n}" for n in kv)],
+        ["input_ids", "attention_mask", "position_ids", LOGITS_INDEX, *(f"past_key_values.{n}" for n in kv)],
+        ["logits", INDEXED_LOGITS, *(f"present.{n}" for n in kv)],
     )
 
 
@@ -102,6 +113,7 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
         {0: batch, 1: seq_len},
         {0: batch, 1: total},
         {0: batch, 1: seq_len},
+        {0: Dim("logits_length")},
         tuple({0: batch} for _ in range(len(cache.parts) * len(cache.rotating))),
     )
     inputs, outputs = io_names(cache)
@@ -129,6 +141,19 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
             )
     finally:
         quiet.setLevel(level)
+    give_default(path, LOGITS_INDEX, [-1])
+
+
+def give_default(path: Path, name: str, value: list[int]) -> None:
+    """Make the graph input `name` optional, `value` (int64) when not fed: an initializer of the
+    same name is its default (ONNX IR 4+; ONNX Runtime lists it as an overridable initializer, not
+    an input). The weights stay where they are, in the graph's external data."""
+    import numpy as np
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False)
+    graph.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, dtype=np.int64), name))
+    onnx.save(graph, str(path))
 
 
 def graph_io(path: Path) -> dict[str, Any]:

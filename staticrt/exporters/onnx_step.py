@@ -125,10 +125,21 @@ class OnnxStep(nn.Module):
         self.cache = graph_cache(layout)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_index: torch.Tensor,
+        *past: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
+        """`logits_index [L]`: the step's columns to return `indexed_logits [B, L, V]` at, counted
+        from its first (negative: from its end); the graph's default is [-1], the last, which is all
+        a prefill or decode step needs; a verify step asks for every column. `logits [B, 1, V]` is
+        the last of them, a fixed 1 wide: onnxruntime-genai reads a graph whose logits are so as one
+        that returns the last column alone, as this one does."""
         seq_len = input_ids.shape[1]  # input_ids, position_ids [B, S]; attention_mask [B, T]
         write_index = marked_columns(attention_mask) - seq_len  # [B]
         self.cache.bind(list(past), StepInputs(attention_mask, position_ids, write_index))
-        logits = self.model(input_ids, write_index, self.cache)  # [B, V] at column T - 1
-        return (logits[:, None], *self.cache.presents())
+        # [B, L, V]; the column pick is ONNX's Gather, which counts a negative index from the end
+        indexed = self.model(input_ids, write_index, self.cache, last_only=False, columns=logits_index)
+        return (indexed.select(1, -1).unsqueeze(1), indexed, *self.cache.presents())

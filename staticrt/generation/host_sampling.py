@@ -46,14 +46,46 @@ def sample(logits: np.ndarray, temperature: Any, top_k: Any, top_p: Any, uniform
 
 def _sorted_pick(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, uniform: np.ndarray) -> np.ndarray:
     """Inverse-CDF pick over the stable descending order of `scaled [R, V]`, cut to top-k and top-p."""
+    return _draw(*_nucleus(scaled, top_k, top_p), uniform)
+
+
+def _nucleus(scaled: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids of `scaled [N, V]` in stable descending order and their probabilities there,
+    zero outside the top-k and the nucleus (not renormalised), both `[N, V]`."""
     vocab = scaled.shape[1]
-    order = np.argsort(-scaled, axis=-1, kind="stable")  # [R, V] descending, ties in index order
+    order = np.argsort(-scaled, axis=-1, kind="stable")  # [N, V] descending, ties in index order
     sorted_logits = np.take_along_axis(scaled, order, axis=-1)
     exp = np.exp(sorted_logits - sorted_logits[:, :1])
     probs = exp / exp.sum(axis=-1, keepdims=True)
     rank = np.arange(vocab)[None, :]
     keep = (rank < np.where(top_k > 0, top_k, vocab)[:, None]) & (np.cumsum(probs, axis=-1) - probs < top_p[:, None])
-    cdf = np.cumsum(probs * keep, axis=-1)
+    return order, probs * keep
+
+
+def _draw(order: np.ndarray, weights: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """The token whose slice of the cumulative `weights [N, V]` (in `order`'s ids) holds `uniform [N]`
+    times their sum: ids `[N]` int64."""
+    cdf = np.cumsum(weights, axis=-1)
     target = uniform.astype(np.float32)[:, None] * cdf[:, -1:]
-    choice = np.minimum((cdf <= target).sum(axis=-1), vocab - 1)
+    choice = np.minimum((cdf <= target).sum(axis=-1), weights.shape[1] - 1)
     return np.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(np.int64)
+
+
+def verify(logits: np.ndarray, input_ids: np.ndarray, num_new: np.ndarray, sampling: Any, uniforms: Any) -> np.ndarray:
+    """A verify step's tokens `[B, T]` from its logits `[B, T, V]`: the token after each position,
+    greedy without uniforms, else by speculative sampling's rule (`sampling.verify_sample`, whose
+    docstring gives it) with `uniforms [B, T, 2]`. Row b fed `input_ids[b, :num_new[b]]`: its next
+    token, then its draft, so the token drafted after position t is the one fed at t + 1."""
+    if uniforms is None:
+        return greedy(logits)
+    batch, width, vocab = logits.shape
+    per_position = lambda value, dtype: np.repeat(np.broadcast_to(np.asarray(value, dtype), (batch,)), width)  # noqa: E731
+    scaled = logits.reshape(-1, vocab).astype(np.float32) / per_position(sampling.temperature, np.float32)[:, None]
+    order, weights = _nucleus(scaled, per_position(sampling.top_k, np.int64), per_position(sampling.top_p, np.float32))
+    fed_after = np.arange(width)[None, :] + 1 < np.asarray(num_new)[:, None]
+    drafted = np.where(fed_after, np.roll(input_ids, -1, axis=1), -1).reshape(-1, 1)  # [B*T, 1], -1: none
+    is_draft = order == drafted
+    p_draft = (weights * is_draft).sum(axis=-1) / weights.sum(axis=-1)
+    flat = np.asarray(uniforms, dtype=np.float32).reshape(-1, 2)
+    keep = (drafted[:, 0] >= 0) & (flat[:, 0] < p_draft)
+    return np.where(keep, drafted[:, 0], _draw(order, weights * ~is_draft, flat[:, 1])).reshape(batch, width)

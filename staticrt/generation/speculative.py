@@ -286,9 +286,12 @@ def check_drafter(backend: Any, drafter: Any, n_rows: int) -> None:
 
 
 def check_verifies(backend: Any) -> None:
-    """Refuse, by name, a backend without a verify step."""
+    """Refuse, by name, a backend without a verify step, or one that says why it cannot verify."""
     if not hasattr(backend, "verify_step"):
         raise GenerationError(
             f"the {backend.name} backend has no verify step for speculative decoding; use a torch model "
-            "backend (eager, compiled, cudagraph), or no speculation (drop --speculative; speculative=None)"
+            "backend (eager, compiled, cudagraph) or an onnx artifact, or no speculation (drop --speculative; "
+            "speculative=None)"
         )
+    if getattr(backend, "verify_refusal", None):
+        raise GenerationError(backend.verify_refusal)

@@ -221,11 +221,14 @@ class Decoder(nn.Module):
         last_only: bool = True,
         fresh: bool = False,
         layers_once: bool = False,
+        columns: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run `input_ids [B, T]` at positions `write_index[b] + t`, writing the cache in place.
 
         `num_new [B]` counts each row's real tokens (the rest is right padding; default T). Returns
-        logits `[B, V]` at each row's last real token, or `[B, T, V]` with `last_only=False`.
+        logits `[B, V]` at each row's last real token, or `[B, T, V]` with `last_only=False`, or
+        with `columns [L]` too `[B, L, V]` at those columns of every row (the head, a fifth of a
+        small model's weights, runs on them alone: the ONNX graph's one step for prefill and verify).
         `fresh`: the caller knows every write_index is 0, so attention skips the cache's buffers.
         `layers_once`: under torch.compile, compile one layer's code and reuse it for the others
         (`_run_layer_once`); the same arithmetic, a fraction of the compile time.
@@ -247,13 +250,15 @@ class Decoder(nn.Module):
         if last_only:
             last = (num_new - 1).clamp(min=0)
             x = x.view(batch, seq_len, -1)[torch.arange(batch, device=x.device), last]  # [B, C]
+        elif columns is not None:
+            x = x.view(batch, seq_len, -1).index_select(1, columns).flatten(0, 1)  # [B*L, C]
         x = self.norm(x)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head)  # [B, V] or [B*T, V]
+        logits = F.linear(x, head)  # [B, V] or [B*T, V] (or [B*L, V])
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
-        return logits if last_only else logits.view(batch, seq_len, -1)
+        return logits if last_only else logits.view(batch, -1, logits.shape[-1])
 
 
 def use_column_major_weights(model: Decoder) -> Decoder:
