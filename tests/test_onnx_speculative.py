@@ -99,6 +99,28 @@ def test_run_speculates_on_an_onnx_artifact_with_prompt_lookup_or_a_draft_model(
     assert out["verify_steps"] > 0 and out["drafted"] > 0
 
 
+def test_a_server_over_a_one_row_onnx_artifact_verifies_drafts(artifacts, hf_checkpoints):
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    import httpx
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    prompts = [prompt(1), prompt(2) + prompt(2), prompt(3)[:9]]
+    app, _ = serve_backend(load_artifact(artifacts["gemma2"], backend="onnx").backend, name="m", speculative="ngram:4")
+    with running(app) as url:
+        api = client(url)
+        for ids in prompts:
+            reply = api.completions.create(model="m", prompt=ids, max_tokens=NEW_TOKENS, temperature=0)
+            assert reply.choices[0].model_extra["token_ids"] == hf_greedy(hf_checkpoints["gemma2"][1], ids, NEW_TOKENS)
+        drafted = next(
+            line
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("staticrt_draft_tokens_total")
+        )
+    assert float(drafted.split()[-1]) > 0
+
+
 def test_genai_and_a_plain_step_leave_logits_index_out_and_get_the_last_column(artifacts):
     """The input is optional: its default, an initializer, is [-1], so onnxruntime-genai (which
     knows neither it nor `indexed_logits`) lists the graph's inputs as before and reads `logits`,

@@ -89,8 +89,11 @@ class OnnxBackend(ArtifactBackend):
         self.session = _session(folder / section["graph"], section, threads, device, graphs, manifest["dtype"])
         self.device = device
         self._check_graph(folder / section["graph"], section)
-        # Why this runner cannot check drafts (speculative.check_verifies), or None where it can.
-        self.indexed = LOGITS_INDEX in {value.name for value in self.session.get_overridable_initializers()}
+        # Whether the graph returns logits at the columns a step asks for (`indexed_logits`), and
+        # why this runner cannot check drafts (speculative.check_verifies), or None where it can.
+        self.indexed = LOGITS_INDEX in {value.name for value in self.session.get_overridable_initializers()} and any(
+            value.name == INDEXED_LOGITS for value in self.session.get_outputs()
+        )
         self.verify_refusal = (
             None
             if self.indexed and self.batch_size == 1
@@ -114,7 +117,9 @@ class OnnxBackend(ArtifactBackend):
                 self.binding.bind_ortvalue_input(spec["name"], value)
                 self.binding.bind_ortvalue_output(spec["name"].replace("past_key_values.", "present."), value)
         self.logits_dtype = np.dtype(next(spec["dtype"] for spec in section["outputs"] if spec["name"] == "logits"))
-        self.logits: dict[int, Any] = {}  # columns a row -> the logits' buffer [B, columns, V] (`_logits`)
+        self.logits: dict[tuple[int, bool], Any] = {}  # the logits' buffers [B, columns, V] (`_logits`)
+        if self.indexed:  # `logits` too is bound, to a buffer of its own: a CUDA graph replays bound outputs only
+            self.binding.bind_ortvalue_output("logits", self._logits(1, own=True))
         self.mask = np.zeros((self.batch_size, self.max_sequence_len or 0), dtype=np.int64)  # [B, width]
         self.columns = 0  # columns written so far (the same for every row)
         self.device_inputs: dict[tuple[str, tuple[int, ...]], Any] = {}
@@ -248,14 +253,16 @@ class OnnxBackend(ArtifactBackend):
         self.session.run_with_iobinding(self.binding, self.run_options[int(ids.shape[1] == 1)])
         return self._logits(seq_len).numpy()
 
-    def _logits(self, columns: int) -> Any:
-        """The output buffer of logits at `columns` columns a row, `[B, columns, V]`, one per width."""
+    def _logits(self, columns: int, own: bool = False) -> Any:
+        """The output buffer of logits at `columns` columns a row, `[B, columns, V]`, one per width
+        (and with `own` one more, for an output that has none of its own)."""
         import onnxruntime as ort
 
-        if columns not in self.logits:
+        key = (columns, own)
+        if key not in self.logits:
             shape = [self.batch_size, columns, self.vocab_size]
-            self.logits[columns] = ort.OrtValue.ortvalue_from_shape_and_type(shape, self.logits_dtype, self.device, 0)
-        return self.logits[columns]
+            self.logits[key] = ort.OrtValue.ortvalue_from_shape_and_type(shape, self.logits_dtype, self.device, 0)
+        return self.logits[key]
 
 
 def _has_cuda_device() -> bool:
