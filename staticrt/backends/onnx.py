@@ -89,20 +89,9 @@ class OnnxBackend(ArtifactBackend):
         self.session = _session(folder / section["graph"], section, threads, device, graphs, manifest["dtype"])
         self.device = device
         self._check_graph(folder / section["graph"], section)
-        # Whether the graph returns logits at the columns a step asks for (`indexed_logits`), and
-        # why this runner cannot check drafts (speculative.check_verifies), or None where it can.
+        # Whether the graph returns logits at the columns a step asks for (`indexed_logits`).
         self.indexed = LOGITS_INDEX in {value.name for value in self.session.get_overridable_initializers()} and any(
             value.name == INDEXED_LOGITS for value in self.session.get_outputs()
-        )
-        self.verify_refusal = (
-            None
-            if self.indexed and self.batch_size == 1
-            else f"{folder}'s graph returns the last column's logits only (exported by an earlier staticrt): "
-            f"{REEXPORT} to speculate on it"
-            if not self.indexed
-            else f"the onnx backend checks drafts in one row, and {folder} holds {self.batch_size}: its graph "
-            "writes a column of every row at once, so rows keeping different numbers of drafts would leave holes; "
-            "re-export it with --batch-size 1 to speculate, or drop --speculative"
         )
         # The graph takes any prompt width; the loop's padding is stripped in `_step_inputs`.
         self.buckets = (self.max_sequence_len or manifest["model"]["config"]["max_position_embeddings"],)
@@ -129,6 +118,22 @@ class OnnxBackend(ArtifactBackend):
         if device == "cuda" and self.max_sequence_len:  # decode replays one captured graph; prefill never
             self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
             self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
+
+    @property
+    def verify_refusal(self) -> str | None:
+        """Why this runner cannot check drafts (speculative.check_verifies), or None where it can."""
+        if not self.indexed:
+            return (
+                f"{self.folder}'s graph returns the last column's logits only (exported by an earlier staticrt): "
+                f"{REEXPORT} to speculate on it"
+            )
+        if self.batch_size > 1:
+            return (
+                f"the onnx backend checks drafts in one row, and {self.folder} holds {self.batch_size}: its graph "
+                "writes a column of every row at once, so rows keeping different numbers of drafts would leave "
+                "holes; re-export it with --batch-size 1 to speculate, or drop --speculative"
+            )
+        return None
 
     def _check_graph(self, path: Path, section: dict[str, Any]) -> None:
         """The vocabulary and every cache input's shape come from the graph ONNX Runtime loaded;
