@@ -97,6 +97,36 @@ def test_out_of_range_sampling_never_reaches_the_stepping_thread(model):
         assert metric(url, "staticrt_busy_rows") == 0.0
 
 
+def test_a_request_that_cannot_be_seated_fails_alone_and_the_server_goes_on(model, monkeypatch):
+    """An error while seating a request (choosing its row, restoring what it keeps), outside any
+    step, ended the stepping thread: every later request waited forever. It fails that request
+    alone, and leaves no row taken by it."""
+    from staticrt.serve.rows import RowMemory
+
+    best, seat, failures = RowMemory.best, RowMemory.seat, []
+
+    def failing(original):
+        def call(memory, *args):
+            if failures:
+                raise RuntimeError(failures.pop())
+            return original(memory, *args)
+
+        return call
+
+    app, _ = server(model)
+    with running(app) as url:
+        expected = greedy(url)
+        for method in ("best", "seat"):
+            for name, original in (("best", best), ("seat", seat)):
+                monkeypatch.setattr(RowMemory, name, failing(original) if name == method else original)
+            failures.append(f"{method} broke")
+            reply = post(url, dict(model=MODEL, prompt=[9, 9, 9], max_tokens=4, temperature=0))
+            assert reply.status_code == 500
+            assert reply.json()["error"]["message"] == f"seating the request failed: RuntimeError('{method} broke')"
+            assert greedy(url) == expected
+            assert metric(url, "staticrt_busy_rows") == 0.0
+
+
 def test_stop_strings_are_bounded(model):
     app, _ = server(model)
     with running(app) as url:

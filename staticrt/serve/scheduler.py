@@ -26,8 +26,7 @@ speculative sampling's rule keeps) plus the model's token; rows that drafted not
 One thread runs the steps; requests come from any thread, and each job's `emit` is called on the
 stepping thread. `staticrt serve` steps on the thread that loaded and compiled the model (`run`):
 OpenMP gives every thread that starts parallel work a team of its own, and on a 2-core machine a
-second team slowed each decode step by ~60% (docs/measurements.md). Imports no torch: an ONNX
-artifact serves without it.
+second team slowed each decode step by ~60% (docs/measurements.md). Imports no torch.
 """
 
 from __future__ import annotations
@@ -84,9 +83,7 @@ class Scheduler:
         self.drafting = drafting
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
-        self.admitting = True
-        self.stopped = False
-        self.last_prefilled = False
+        self.admitting, self.stopped, self.last_prefilled = True, False, False
         self.counter = itertools.count()
         self.thread = threading.Thread(target=self._loop, name="staticrt-scheduler", daemon=True)
         self.driven = False  # stepping in a caller's thread (`run`) rather than in `thread`
@@ -198,9 +195,13 @@ class Scheduler:
             free = [r for r, job in enumerate(self.rows) if job is None]
             while free and self.waiting:
                 job = self.waiting.popleft()
-                row, kept, saved = self.memory.best(job.request.prompt, free)
-                free.remove(row)
-                self._seat(job, row, kept, saved)
+                try:  # a request that cannot be seated fails alone: the thread and the other rows go on
+                    row, kept, saved = self.memory.best(job.request.prompt, free)
+                    self._seat(job, row, kept, saved)
+                    free.remove(row)
+                except Exception as err:
+                    self.memory.forget()  # what a failed seat left in the rows' memory is unknown
+                    self._finish(job, Event("error", status=500, message=f"seating the request failed: {err!r}"))
         elif self.busy_rows == 0 and self.waiting:
             self._start_wave()
         self.metrics.queue.set(len(self.waiting))
@@ -208,8 +209,8 @@ class Scheduler:
 
     def _seat(self, job: Job, row: int, kept: int = 0, saved: Saved | None = None) -> None:
         """`job` takes `row`, keeping `kept` prompt tokens of what it holds (of `saved`'s, restored there)."""
-        self.rows[row], kept = job, self.memory.seat(row, kept, job.order, saved)
-        job.row, job.fed, job.kept = row, kept, kept
+        kept = self.memory.seat(row, kept, job.order, saved)  # the row is the job's only once seated
+        self.rows[row], job.row, job.fed, job.kept = job, row, kept, kept
         self.metrics.pool_restores.inc(saved is not None and kept > 0)  # 0: the pool failed, nothing restored
         self.metrics.pool_bytes.set(self.memory.pooled_bytes)
 
