@@ -8,7 +8,9 @@ placed at the right end of a prefill of `max(prompt lengths)` columns (holes on 
 and each decode step adds one column. For caches with a linear layer the mask keeps one width,
 the cache length, with zeros after the last column, so decode runs one shape every step (what
 ONNX Runtime's CUDA graphs need); an all-rotating cache has no length, and its mask grows.
-Tokens are chosen on the host (host_sampling.py) from the logits of the step's last column.
+Tokens are chosen on the host (host_sampling.py) from the logits of the step's last column; a
+verify step (speculative decoding, an artifact of one row) asks the graph for every column's
+(`logits_index`, read from `indexed_logits`).
 """
 
 from __future__ import annotations
