@@ -302,3 +302,9 @@ def test_replica_flags_that_cannot_work_are_refused_before_ray_starts(flags, mes
 def test_serving_without_replicas_imports_no_ray():
     code = "import sys, staticrt.serve, staticrt.serve.app, staticrt.cli.serve; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"
+
+
+def test_the_banner_says_how_many_requests_ray_holds_beside_the_rows(server):
+    """Ray counts a request as queued while it routes it, so its limit is --max-queue plus every row."""
+    line = next(line for line in server.logged if line.startswith("serving tiny-llama on"))
+    assert f"{QUEUE} requests queue for a row, and Ray holds up to {QUEUE + 2 * ROWS} while it routes them" in line

@@ -105,5 +105,6 @@ def banner(args: argparse.Namespace, plan: Any) -> str:
     return (
         f"serving {args.served_model_name or args.artifact or args.model} on http://{args.host}:{args.port}/v1: "
         f"{scaling} replicas of {plan.rows} rows on {where} ({plan.cpus:g} CPUs, {plan.gpus:g} GPUs, "
-        f"{args.threads} threads each; {plan.max_queue} requests queue for a row); Ctrl-C or SIGTERM drains and stops"
+        f"{args.threads} threads each; {plan.max_queue} requests queue for a row, and Ray holds up to "
+        f"{plan.ray_queue} while it routes them); Ctrl-C or SIGTERM drains and stops"
     )
