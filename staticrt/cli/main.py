@@ -188,7 +188,12 @@ def _add_export_parser(sub: Any) -> None:
     )
     export.add_argument("recipe", nargs="?", type=Path, help="a recipe, export/NAME.toml (writes artifacts/NAME/)")
     add_model_args(export, required=False)
-    export.add_argument("--batch-size", type=POSITIVE, default=1)
+    export.add_argument(
+        "--batch-size",
+        type=POSITIVE,
+        default=1,
+        help="rows of the cache (default 1; an onnx artifact speculates, --speculative or --draft, with one row)",
+    )
     export.add_argument(
         "--prefill-buckets",
         type=prompt_ids,
