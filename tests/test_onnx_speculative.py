@@ -69,6 +69,22 @@ def test_an_onnx_artifact_verifies_drafts_and_keeps_transformers_greedy_tokens(
     assert stats.verify_steps > 0 and stats.accepted == stats.drafted > 2 * stats.verify_steps
 
 
+@pytest.mark.parametrize("family,cache", CASES)
+def test_a_conversation_keeps_its_prefix_between_turns_while_drafts_are_verified(
+    artifacts, hf_checkpoints, family, cache
+):
+    """As `chat` runs it: each turn continues from what the row holds (rejected drafts' K/V past
+    it), verifies drafts, and answers transformers' tokens for the whole conversation."""
+    gen = load_artifact(artifacts[family], backend="onnx")
+    chooser = torch.Generator().manual_seed(3)
+    conversation = torch.randint(1, 256, (12,), generator=chooser).tolist()
+    for turn in range(3):
+        out = gen.generate([conversation], 16, speculative="ngram:4", reuse_prefix=True)[0]
+        assert out == hf_greedy(hf_checkpoints[family][1], conversation, 16)
+        assert gen.last_stats.verify_steps > 0 and (turn == 0 or gen.last_stats.kept[0] > len(conversation) // 2)
+        conversation += out + torch.randint(1, 256, (5,), generator=chooser).tolist() + conversation[:6]
+
+
 def test_onnx_speculative_sampling_draws_the_eager_backends_tokens_for_a_seed(artifacts, hf_checkpoints, monkeypatch):
     """The host's acceptance rule (host_sampling.verify) is the torch one's arithmetic, from the
     same uniforms: the same seed keeps and redraws the same tokens. The draft policy's clock is
