@@ -90,7 +90,13 @@ def export_artifact(
 def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
     """Refuse quantized weights in the torch formats beside the ONNX graph: the torch programs run
     torchao's weights in bfloat16, the ONNX graph ONNX Runtime's quantization of the float32 weights
-    (onnx_quantize.py), so they are two models and go to two artifacts."""
+    (onnx_quantize.py), so they are two models and go to two artifacts. int8-a8 runs in staticrt's
+    own CPU kernel, which no artifact carries."""
+    if quantize == "int8-a8":
+        raise ArtifactError(
+            "quantize 'int8-a8' runs in staticrt's own CPU kernel, which artifacts do not carry yet; export "
+            "with --quantize int8 (torchao's weights in the torch formats, ONNX Runtime's in the onnx one)"
+        )
     torch_formats = [f for f in formats if f != "onnx"]
     if quantize is not None and torch_formats and "onnx" in formats:
         raise ArtifactError(
@@ -103,6 +109,8 @@ def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
 def _check_weights(model: Decoder, quantize: QuantSpec | None, formats: Sequence[str]) -> None:
     """The ONNX graph quantizes the float model's weights itself; the torch formats export the model as loaded."""
     check_exportable(quantize and quantize.name, formats)
+    if model.quantization is not None and model.quantization.activations:
+        check_exportable(model.quantization.name, formats)
     if model.quantization is not None and "onnx" in formats:
         raise ArtifactError(
             f"the model was loaded with quantize={model.quantization.name!r}; the ONNX exporter takes the float "

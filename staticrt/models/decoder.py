@@ -253,8 +253,9 @@ class Decoder(nn.Module):
         elif columns is not None:
             x = x.view(batch, seq_len, -1).index_select(1, columns).flatten(0, 1)  # [B*L, C]
         x = self.norm(x)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, head)  # [B, V] or [B*T, V] (or [B*L, V])
+        logits = (
+            F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
+        )  # [B or B*T or B*L, V]
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

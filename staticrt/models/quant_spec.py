@@ -8,20 +8,22 @@ import re
 from ..errors import ConfigError
 
 INT4_GROUP_SIZES = (32, 64, 128)
-QUANTIZE_CHOICES = ("int8", "int4", *(f"int4-g{g}" for g in INT4_GROUP_SIZES))
+QUANTIZE_CHOICES = ("int8", "int8-a8", "int4", *(f"int4-g{g}" for g in INT4_GROUP_SIZES))
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
-    """`bits` 8 (per output channel) or 4 (per `group_size` inputs of an output channel)."""
+    """`bits` 8 (per output channel) or 4 (per `group_size` inputs of an output channel);
+    `activations`: int8 activations too, in staticrt's own CPU kernel (models/int8_kernel.py)."""
 
     bits: int
     group_size: int | None = None
+    activations: bool = False
 
     @property
     def name(self) -> str:
-        """The canonical spelling, as manifests and recipes record it: "int8", "int4-g32"."""
-        return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+        """The canonical spelling, as manifests and recipes record it: "int8", "int8-a8", "int4-g32"."""
+        return ("int8-a8" if self.activations else "int8") if self.bits == 8 else f"int4-g{self.group_size}"
 
 
 def parse_quantize(value: str | None) -> QuantSpec | None:
@@ -29,6 +31,8 @@ def parse_quantize(value: str | None) -> QuantSpec | None:
     the finest group torch's int4 kernels take (the most accurate, at the same speed)."""
     if value is None or value == "none":
         return None
+    if value == "int8-a8":
+        return QuantSpec(8, activations=True)
     match = re.fullmatch(r"int8|int4(?:-g(\d+))?", value)
     group = int(match.group(1) or 32) if match and value != "int8" else None
     if match is None or (group is not None and group not in INT4_GROUP_SIZES):

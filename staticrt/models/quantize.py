@@ -37,6 +37,13 @@ def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.
     model and bfloat16 for a quantized one; float32 with quantization is refused."""
     if spec is None:
         return dtype or torch.float32
+    if spec.activations:  # staticrt's kernel takes float32 activations and quantizes them itself
+        if dtype not in (None, torch.float32):
+            raise ConfigError(
+                f"quantize 'int8-a8' with dtype {str(dtype).removeprefix('torch.')}: its kernel takes float32 "
+                "activations; leave --dtype out (or pass float32), or use --quantize int8 for bfloat16"
+            )
+        return torch.float32
     if dtype is None:
         return torch.bfloat16
     if dtype not in QUANTIZED_DTYPES:
@@ -94,6 +101,8 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     config = model.config
     weight = model.embed_tokens.weight
     quantized_dtype(spec, weight.dtype)  # refuses a model loaded in float32
+    if spec.activations:
+        return _int8_activations(model)
     if spec.bits == 4:
         sizes = sorted({m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)})
         fits = [g for g in INT4_GROUP_SIZES if all(size % g == 0 for size in sizes)]
@@ -118,6 +127,35 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
         quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
     quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
     model.quantization = spec
+    return model
+
+
+def _int8_activations(model: nn.Module) -> nn.Module:
+    """Every projection and the head (a tied one as a copy of its own) as `Int8Linear`, run by
+    staticrt's kernel (int8_kernel.py); refused, before any weight changes, where the kernel cannot
+    run or a projection's input size is not a multiple of its activation block."""
+    from .int8_kernel import STEP, Int8Linear, load
+
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu":
+        raise ConfigError(
+            f"quantize 'int8-a8' runs on the CPU (its kernel is AVX512-VNNI); on {weight.device} use int8"
+        )
+    linears = [(name, m) for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
+    sizes = sorted({m.in_features for _, m in linears} | {model.config.hidden_size})
+    if any(size % STEP for size in sizes):
+        raise ConfigError(
+            f"quantize 'int8-a8' reads activations {STEP} bytes at a time, and this model's input sizes are "
+            f"{sizes}, not all multiples of {STEP}; use --quantize int8"
+        )
+    load()
+    for name, linear in linears:
+        owner, _, own = name.rpartition(".")
+        parent = model.layers.get_submodule(owner) if owner else model.layers
+        setattr(parent, own, Int8Linear(linear.weight, linear.bias, getattr(linear, "parts", None)))
+    head = weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int8Linear(head)
+    model.quantization = QuantSpec(8, activations=True)
     return model
 
 
