@@ -13,6 +13,9 @@ head to int8 whatever `spec` says: at int4 the head alone raised SmolLM2-135M's 
 at int8 by 0.3% (tests/test_real_model.py). A tied head gets its own quantized copy, since the head
 is a fifth of a small model's bytes and is read in full every token, while the embedding table is
 only gathered from, a row a token, and stays in the compute dtype.
+
+"int8-a8" is not torchao's: int8 weights and activations in staticrt's own AVX512-VNNI kernel
+(int8_kernel.py), computing in float32, faster than torch's int8 kernel on a CPU that has VNNI.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
 
 def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.dtype:
     """The compute dtype of a model loaded with `spec`: `dtype`, or by default float32 for a float
-    model and bfloat16 for a quantized one; float32 with quantization is refused."""
+    model and bfloat16 for a quantized one; float32 with torchao's quantization is refused, and
+    int8-a8 (whose kernel takes float32 activations) computes in float32 alone."""
     if spec is None:
         return dtype or torch.float32
     if spec.activations:  # staticrt's kernel takes float32 activations and quantizes them itself
