@@ -1,9 +1,14 @@
-"""quantize "int8-a8": staticrt's AVX512-VNNI kernel (models/int8_kernel.py). Its tokens against a
+"""quantize "int8-a8": staticrt's int8 kernel (models/int8_kernel.py), built for AVX512-VNNI or AVX2.
+Its tokens, with the build this CPU takes and with the AVX2 one, against a
 float model that rounds the same weights and activations to the same int8 grids (the oracle is
 plain torch: weights per output channel, activations per block of 32 along each row); eager and
 compiled; what cannot run it refused by name; on SmolLM2 the perplexity within 1% of fp32."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,9 +24,9 @@ from staticrt.models.quant_spec import parse_quantize
 
 FAMILIES = ("llama", "qwen2", "gemma2", "llama-linear-tied")  # qwen2: q/k/v biases; the last: a tied head
 PROMPT = [200, 1, 64, 64, 9, 31, 7, 120, 88, 14, 2, 77]
-vnni = pytest.mark.skipif(
+kernel = pytest.mark.skipif(
     int8_kernel.unavailable() is not None,
-    reason=f"{int8_kernel.unavailable()}: int8-a8 is refused there (test_without_vnni_int8_a8_is_refused_by_name)",
+    reason=f"{int8_kernel.unavailable()}: int8-a8 is refused there (test_a_cpu_without_the_kernel_is_refused_by_name)",
 )
 
 
@@ -46,7 +51,7 @@ def on_the_grids(folder) -> staticrt.Generator:
     return staticrt.Generator(model, max_cache_len=64)
 
 
-@vnni
+@kernel
 @pytest.mark.parametrize("family", FAMILIES)
 def test_int8_a8_tokens_equal_the_float_model_on_its_grids_eager_and_compiled(hf_checkpoints, family):
     folder = hf_checkpoints[family][0]
@@ -59,13 +64,29 @@ def test_int8_a8_tokens_equal_the_float_model_on_its_grids_eager_and_compiled(hf
     assert compiled.generate([PROMPT], 24)[0] == want
 
 
-def test_without_vnni_int8_a8_is_refused_by_name(monkeypatch):
-    monkeypatch.setattr(int8_kernel, "unavailable", lambda: "this CPU has no AVX512-VNNI")
+@kernel
+def test_the_avx2_build_gives_the_float_models_tokens_on_its_grids(hf_checkpoints):
+    """Where the CPU has AVX512-VNNI the AVX2 build is tested too, in a process of its own (a
+    process holds one build of the op)."""
+    folder = hf_checkpoints["qwen2"][0]
+    code = (
+        "import json, sys, staticrt; from staticrt.models import int8_kernel; int8_kernel.isa = lambda: 'avx2'; "
+        "m = staticrt.load_model(sys.argv[1], quantize='int8-a8'); "
+        "print(json.dumps(staticrt.Generator(m, max_cache_len=64).generate([json.loads(sys.argv[2])], 24)[0]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(PROMPT)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.splitlines()[-1]) == on_the_grids(folder).generate([PROMPT], 24)[0]
+
+
+def test_a_cpu_without_the_kernel_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(int8_kernel, "isa", lambda: None)
     monkeypatch.setattr(int8_kernel, "_loaded", False)
     with pytest.raises(ConfigError) as raised:
         staticrt.load_model("tiny-llama", quantize="int8-a8")
     assert str(raised.value) == (
-        "quantize 'int8-a8' runs staticrt's AVX512-VNNI kernel, and this CPU has no AVX512-VNNI; use --quantize int8"
+        "quantize 'int8-a8' runs staticrt's int8 kernel, and this CPU has neither AVX512-VNNI nor AVX2 (or no "
+        "/proc/cpuinfo says so); use --quantize int8"
     )
 
 
@@ -88,7 +109,7 @@ def test_int8_a8_refuses_another_dtype_and_every_artifact_format(tmp_path):
     assert str(raised.value) == refusal
 
 
-@vnni
+@kernel
 def test_int8_a8_keeps_the_real_models_perplexity_and_refuses_to_export_it(smollm2, tmp_path):
     """SmolLM2-135M over the first 512 tokens of the text test_quantize.py reads: within 1% of fp32
     (by hand: +0.2% simulated on these 512 tokens, docs/measurements.md)."""

@@ -1,20 +1,21 @@
-"""staticrt's int8 matmul for CPUs with AVX512-VNNI (quantize "int8-a8"): int8 weights, one scale
-an output channel, times activations the kernel quantizes to int8 in blocks of 32 along K (one
-scale a block and row, llama.cpp's Q8 block), as int32 dot products (`vpdpbusd`), float32 out.
+"""staticrt's int8 matmul for CPUs with AVX512-VNNI or AVX2 (quantize "int8-a8"): int8 weights, one
+scale an output channel, times activations the kernel quantizes to int8 in blocks of 32 along K (one
+scale a block and row, llama.cpp's Q8 block), as integer dot products, float32 out.
 
 torch's int8 weight-only kernel (`_weight_int8pack_mm`, what torchao's int8 runs) takes bfloat16
-activations and multiplies in floats; this one reads the int8 weights into VNNI's integer dot
-products. SmolLM2-135M, compiled, 2 threads, one process: decode 5.55 against 7.26 ms/token
-(docs/measurements.md). Blocks of 32 keep its perplexity within 0.2-0.6% of float; blocks of
-64 cost 0.85% on 512 tokens, one scale a token 1.5%. A worked example, for row m and channel n:
-x[m, 32b : 32b+32] has absmax a, so xq = round(x * 127 / a) in -127..127; VNNI multiplies
-unsigned by signed bytes, so it takes |xq| with w's sign flipped where xq < 0, the same product.
-One `vpdpbusd` takes 64 bytes, two blocks: its int32 lanes 0-7 sum block 2c's products (4 bytes
-a lane), lanes 8-15 block 2c+1's, so they are scaled by a vector of the two blocks' a / 127;
-the row's float sum ends times the channel's scale.
+activations and multiplies in floats; this one multiplies the int8 weights as integers. SmolLM2-135M,
+compiled, 2 threads, one `staticrt bench` run: decode 5.55 ms/token against torchao int8's 6.76 and
+llama.cpp Q8_0's 5.56 (docs/measurements.md). Blocks of 32 keep its perplexity within 0.2-0.6% of
+float; blocks of 64 cost 0.85% on 512 tokens, one scale a token 1.5%. A worked example, for row m
+and channel n: x[m, 32b : 32b+32] has absmax a, so xq = round(x * 127 / a) in -127..127. The byte
+products take |xq| (unsigned) against w with xq's sign, the same product. AVX512-VNNI's `vpdpbusd`
+takes 64 bytes, two blocks: its int32 lanes 0-7 sum block 2c's products (4 bytes a lane), lanes
+8-15 block 2c+1's, so they are scaled by a vector of the two blocks' a / 127. AVX2's `vpmaddubsw`
+sums byte pairs into int16 (|xq| * |w| <= 127 * 127, so a pair fits), `vpmaddwd` pairs of those
+into int32, one block a step. The row's float sum ends times the channel's scale.
 
-Compiled on first use (torch's cpp_extension, ~20 s) into the user cache, once a machine, torch and
-source; a later process loads the library.
+Compiled on first use (torch's cpp_extension, ~20 s) into the user cache, once a machine, torch,
+source and instruction set; a later process loads the library.
 """
 
 from __future__ import annotations
@@ -57,18 +58,20 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const __m512i zero = _mm512_setzero_si512();
   #pragma omp parallel for schedule(static)
   for (int64_t n0 = 0; n0 < N; n0 += 4) {  // 4 channels at a time share each activation block
     const int rows = (int)std::min<int64_t>(4, N - n0);
     for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = xq.data() + m * K;
+      const float* xsr = xs.data() + m * B;
+#if defined(__AVX512VNNI__)
+      const __m512i zero = _mm512_setzero_si512();
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t c = 0; c < K / 64; ++c) {
-        const __m512i xv = _mm512_loadu_si512(xq.data() + m * K + c * 64);
+        const __m512i xv = _mm512_loadu_si512(xr + c * 64);
         const __mmask64 negative = _mm512_movepi8_mask(xv);
         const __m512i magnitude = _mm512_abs_epi8(xv);
-        const __m512 scale = _mm512_insertf32x8(
-            _mm512_set1_ps(xs[m * B + 2 * c]), _mm256_set1_ps(xs[m * B + 2 * c + 1]), 1);
+        const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(xsr[2 * c]), _mm256_set1_ps(xsr[2 * c + 1]), 1);
         for (int j = 0; j < rows; ++j) {
           __m512i wv = _mm512_loadu_si512(wp + (n0 + j) * K + c * 64);
           wv = _mm512_mask_sub_epi8(wv, negative, zero, wv);
@@ -76,6 +79,25 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
         }
       }
       for (int j = 0; j < rows; ++j) yp[m * N + n0 + j] = _mm512_reduce_add_ps(acc[j]) * sp[n0 + j];
+#else  // AVX2: one block of 32 a step; maddubs takes |x| against w with x's sign (pairs fit int16)
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t b = 0; b < B; ++b) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + b * 32));
+        const __m256i magnitude = _mm256_sign_epi8(xv, xv);
+        const __m256 scale = _mm256_set1_ps(xsr[b]);
+        for (int j = 0; j < rows; ++j) {
+          const __m256i wv = _mm256_loadu_si256((const __m256i*)(wp + (n0 + j) * K + b * 32));
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv, xv));
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[j]);
+        }
+      }
+      for (int j = 0; j < rows; ++j) {
+        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+        const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        yp[m * N + n0 + j] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter))) * sp[n0 + j];
+      }
+#endif
     }
   }
   return y;
@@ -84,19 +106,29 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 TORCH_LIBRARY(staticrt, m) { m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor"); }
 TORCH_LIBRARY_IMPL(staticrt, CPU, m) { m.impl("int8_linear", &int8_linear); }
 """
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-fopenmp"]
+# The kernel's build for each instruction set, the best this CPU has chosen (`isa`).
+FLAGS = {
+    "avx512_vnni": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-fopenmp"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
+}
 _loaded = False
+
+
+def isa() -> str | None:
+    """The instruction set the kernel is built for here: AVX512-VNNI, else AVX2 (with FMA), else None."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    if {"avx512_vnni", "avx512bw", "avx512dq"} <= flags:
+        return "avx512_vnni"
+    return "avx2" if {"avx2", "fma"} <= flags else None
 
 
 def unavailable() -> str | None:
     """Why the kernel cannot run on this machine, or None where it can."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return "this system has no /proc/cpuinfo to say whether the CPU has AVX512-VNNI"
-    if "avx512_vnni" not in flags.split():
-        return "this CPU has no AVX512-VNNI"
-    return None
+    return None if isa() is not None else "this CPU has neither AVX512-VNNI nor AVX2 (or no /proc/cpuinfo says so)"
 
 
 def load() -> None:
@@ -107,8 +139,9 @@ def load() -> None:
         return
     reason = unavailable()
     if reason is not None:
-        raise ConfigError(f"quantize 'int8-a8' runs staticrt's AVX512-VNNI kernel, and {reason}; use --quantize int8")
-    digest = hashlib.sha256((SOURCE + " ".join(FLAGS) + torch.__version__).encode()).hexdigest()[:16]
+        raise ConfigError(f"quantize 'int8-a8' runs staticrt's int8 kernel, and {reason}; use --quantize int8")
+    flags = FLAGS[isa()]
+    digest = hashlib.sha256((SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"int8-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     name = f"staticrt_int8_{digest}"
@@ -120,7 +153,7 @@ def load() -> None:
         load_inline(
             name,
             cpp_sources=SOURCE,
-            extra_cflags=FLAGS,
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             build_directory=str(folder),
             is_python_module=False,

@@ -14,8 +14,8 @@ at int8 by 0.3% (tests/test_real_model.py). A tied head gets its own quantized c
 is a fifth of a small model's bytes and is read in full every token, while the embedding table is
 only gathered from, a row a token, and stays in the compute dtype.
 
-"int8-a8" is not torchao's: int8 weights and activations in staticrt's own AVX512-VNNI kernel
-(int8_kernel.py), computing in float32, faster than torch's int8 kernel on a CPU that has VNNI.
+"int8-a8" is not torchao's: int8 weights and activations in staticrt's own CPU kernel
+(int8_kernel.py; AVX512-VNNI or AVX2), computing in float32, faster than torch's int8 kernel.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def _int8_activations(model: nn.Module) -> nn.Module:
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu":
         raise ConfigError(
-            f"quantize 'int8-a8' runs on the CPU (its kernel is AVX512-VNNI); on {weight.device} use int8"
+            f"quantize 'int8-a8' runs on the CPU (its kernel is AVX512-VNNI or AVX2); on {weight.device} use int8"
         )
     linears = [(name, m) for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
     sizes = sorted({m.in_features for _, m in linears} | {model.config.hidden_size})
