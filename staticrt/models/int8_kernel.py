@@ -106,7 +106,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 TORCH_LIBRARY(staticrt, m) { m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor"); }
 TORCH_LIBRARY_IMPL(staticrt, CPU, m) { m.impl("int8_linear", &int8_linear); }
 """
-# The kernel's build for each instruction set, the best this CPU has chosen (`isa`).
+# The compiler flags of the kernel's build for each instruction set; `isa` picks the one this CPU runs.
 FLAGS = {
     "avx512_vnni": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-fopenmp"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
@@ -161,7 +161,7 @@ def load() -> None:
     except (RuntimeError, OSError) as err:  # no compiler, or one without these flags
         raise ConfigError(
             f"quantize 'int8-a8' could not build staticrt's int8 kernel in {folder}: {str(err).splitlines()[0]}; "
-            "install a C++ compiler with AVX512 support (g++ 10 or newer), or use --quantize int8"
+            f"install a C++ compiler that takes {' '.join(flags)} (g++ 10 or newer does), or use --quantize int8"
         ) from None
     torch.library.register_fake("staticrt::int8_linear")(_shape)
     _loaded = True
