@@ -106,7 +106,7 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     weight = model.embed_tokens.weight
     quantized_dtype(spec, weight.dtype)  # refuses a model loaded in float32
     if spec.activations:
-        return _int8_activations(model)
+        return _int8_activations(model, spec)
     if spec.bits == 4:
         sizes = sorted({m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)})
         fits = [g for g in INT4_GROUP_SIZES if all(size % g == 0 for size in sizes)]
@@ -134,7 +134,7 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     return model
 
 
-def _int8_activations(model: nn.Module) -> nn.Module:
+def _int8_activations(model: nn.Module, spec: QuantSpec) -> nn.Module:
     """Every projection and the head (a tied one as a copy of its own) as `Int8Linear`, run by
     staticrt's kernel (int8_kernel.py); refused, before any weight changes, where the kernel cannot
     run or a projection's input size is not a multiple of its activation block."""
@@ -159,7 +159,7 @@ def _int8_activations(model: nn.Module) -> nn.Module:
         setattr(parent, own, Int8Linear(linear.weight, linear.bias, getattr(linear, "parts", None)))
     head = weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int8Linear(head)
-    model.quantization = QuantSpec(8, activations=True)
+    model.quantization = spec
     return model
 
 
