@@ -3,7 +3,10 @@
 # (run each as its own command: a lent machine may limit a command's time):
 #
 #   bench/gpu.sh tests   OUT        the CUDA tests: every family and cache replayed in CUDA graphs,
-#                                   the offloaded cache's prefetch, ONNX Runtime on CUDA
+#                                   verify steps, prefix reuse and a server's rows in them, the
+#                                   offloaded cache's prefetch, ONNX Runtime on CUDA
+#   bench/gpu.sh ab      OUT [ARGS] bench-1b in bfloat16 on cudagraph, running ahead and the tuned
+#                                   matrix-vector reductions each on and off (bench/cudagraph_ab.py)
 #   bench/gpu.sh suite   OUT        the whole suite with the GPU present
 #   bench/gpu.sh decode  OUT [B..]  bench-1b in bfloat16, batch B (default 1 and 8): cudagraph,
 #                                   reduce-overhead and transformers' compiled static cache
@@ -25,7 +28,7 @@
 # CUDA, hence not in the default list). A stage cut short writes no JSON: give each its own command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bench/gpu.sh tests|suite|decode|offload|onnx|serve OUT [BATCH ...]"
+usage="usage: bench/gpu.sh tests|suite|ab|decode|offload|onnx|serve OUT [BATCH ... | AB ARGS]"
 if [ $# -lt 2 ]; then
     echo "$usage" >&2
     exit 2
@@ -55,9 +58,12 @@ bench() {  # NAME ARGS...: staticrt bench on CUDA, its table in NAME.log, its re
 }
 case $stage in
 tests)
-    "$py" -m pytest -q -n 8 --dist load -p no:cacheprovider --junitxml="$out/cuda-tests.xml" \
-        tests/test_cudagraph.py tests/test_offloaded.py tests/test_onnx.py tests/test_oracle.py 2>&1 |
+    "$py" -m pytest -q -n 12 --dist load -p no:cacheprovider --junitxml="$out/cuda-tests.xml" \
+        tests/test_cudagraph.py tests/test_offloaded.py tests/test_onnx.py 2>&1 |
         tee "$out/cuda-tests.log"
+    ;;
+ab)
+    "$py" bench/cudagraph_ab.py "$out/ab-bench-1b-$gpu.json" "$@" 2>&1 | tee "$out/ab.log"
     ;;
 suite)
     "$py" -m pytest -q -n 12 -p no:cacheprovider --junitxml="$out/suite.xml" 2>&1 | tee "$out/suite.log"

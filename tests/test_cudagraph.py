@@ -67,6 +67,8 @@ def test_cudagraph_tokens_equal_eager_and_nothing_is_allocated_after_capture(hf_
     assert gen.generate(prompts, max_new_tokens=128) == reference
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    # greedy decode ran a step ahead (the last one still in hand) where no layer rotates
+    assert (gen.backend.ahead is not None) == (not gen.backend.rotating_layouts)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -129,3 +131,110 @@ def test_run_with_the_cudagraph_backend_loads_the_model_on_the_gpu(hf_checkpoint
     replayed = json.loads(capsys.readouterr().out)["tokens"]
     assert main([*command, "--max-new-tokens", "64", "--backend", "eager", "--device", "cuda"]) == 0
     assert replayed == json.loads(capsys.readouterr().out)["tokens"]
+
+
+def repeating_prompt(seed: int) -> list[int]:
+    """Eight random tokens, twice over with a change: prompt lookup drafts from the first copy."""
+    head = torch.randint(1, 256, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return head + [7, 7] + head[:5]
+
+
+def on_cuda(hf_checkpoints, family: str, cache: str, backend: str, model=None, **options) -> staticrt.Generator:
+    model = model or staticrt.load_model(hf_checkpoints[family][0], device="cuda")
+    return staticrt.Generator(model, cache=cache, max_cache_len=128, backend=backend, **options)
+
+
+SPECULATION_CASES = [("llama", "static"), ("mistral-sw16", "sliding"), ("gemma2", "hybrid")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("family,cache", SPECULATION_CASES)
+def test_cudagraph_verify_steps_give_the_eager_tokens_and_allocate_nothing_after_capture(hf_checkpoints, family, cache):
+    """Drafts checked in captured verify graphs: prompt lookup (most drafts rejected by a random
+    model) and the model as its own draft (every draft kept) leave plain eager decoding's tokens."""
+    reference = on_cuda(hf_checkpoints, family, cache, "eager")
+    gen = on_cuda(hf_checkpoints, family, cache, "cudagraph", reference.backend.model, prefill_buckets=(16, 64))
+    own = staticrt.Speculation(
+        "model", 3, drafter=on_cuda(hf_checkpoints, family, cache, "eager", reference.backend.model)
+    )
+    wants = [reference.generate([repeating_prompt(seed)], 40)[0] for seed in (1, 2)]
+    assert gen.generate([repeating_prompt(1)], 40, speculative=own)[0] == wants[0]
+    stats = gen.last_stats
+    assert stats.verify_steps > 0 and stats.accepted == stats.drafted > 2 * stats.verify_steps
+    for seed, want in zip((1, 2), wants):
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
+        assert gen.generate([repeating_prompt(seed)], 40, speculative="ngram:4")[0] == want
+        assert gen.last_stats.verify_steps > 0 and gen.last_stats.drafted > 0
+    torch.cuda.synchronize()  # the second prompt ran in the graphs the first one captured
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
+    assert {key[1] for key in gen.backend.captured} == {"greedy", "verify"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cudagraph_speculative_sampling_draws_the_eager_tokens_for_a_seed(hf_checkpoints, monkeypatch):
+    """The sampling verify graph keeps and redraws what eager does from the same uniforms (the
+    draft policy's clock left out: which steps verify decides which uniform draws what)."""
+    from staticrt.generation.draft_policy import DraftPolicy
+
+    monkeypatch.setattr(DraftPolicy, "timed", lambda policy, seconds, tokens: policy.decode_s.append(seconds))
+    model = staticrt.load_model(hf_checkpoints["llama"][0], device="cuda")
+    options = dict(do_sample=True, temperature=0.3, top_k=40, top_p=0.95, seed=1234)
+    runs = {}
+    for backend in ("eager", "cudagraph"):
+        gen = on_cuda(hf_checkpoints, "llama", "static", backend, model)
+        own = staticrt.Speculation("model", 3, drafter=on_cuda(hf_checkpoints, "llama", "static", "eager", model))
+        runs[backend] = gen.generate([repeating_prompt(1)], 40, speculative=own, **options)[0]
+        assert 0 < gen.last_stats.accepted < gen.last_stats.drafted  # kept and redrawn
+    assert runs["cudagraph"] == runs["eager"]
+    assert "verify_sample" in {key[1] for key in gen.backend.captured}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("family,cache", SPECULATION_CASES)
+def test_cudagraph_conversation_keeps_its_prefix_and_gives_a_whole_prefills_tokens(hf_checkpoints, family, cache):
+    """As `chat` runs it: each turn continues the row from what it holds (the continuing prefill
+    graphs, `starts_fresh` False), and answers what eager gives the whole conversation."""
+    reference = on_cuda(hf_checkpoints, family, cache, "eager")
+    gen = on_cuda(hf_checkpoints, family, cache, "cudagraph", reference.backend.model, prefill_buckets=(16, 64))
+    chooser = torch.Generator().manual_seed(3)
+    conversation = torch.randint(1, 256, (12,), generator=chooser).tolist()
+    for turn in range(3):
+        out = gen.generate([conversation], 16, reuse_prefix=True)[0]
+        assert out == reference.generate([conversation], 16)[0]
+        assert turn == 0 or gen.last_stats.kept[0] > len(conversation) // 2
+        conversation += out + torch.randint(1, 256, (5,), generator=chooser).tolist()
+    assert {key[2] for key in gen.backend.captured} == {True, False}  # fresh and continuing steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_a_server_on_cudagraph_rows_answers_the_eager_tokens_with_drafts_verified(hf_checkpoints):
+    """Three requests at once in a 3-row cudagraph server that speculates: each greedy answer is
+    a lone eager generate's, the sampled one gets all it asked for, and drafts were verified."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    import concurrent.futures
+
+    import httpx
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    reference = on_cuda(hf_checkpoints, "mistral-sw16", "sliding", "eager")
+    asks = [(repeating_prompt(1), 0.0), (repeating_prompt(3) * 2, 0.0), (repeating_prompt(2), 1.0)]
+    rows = on_cuda(hf_checkpoints, "mistral-sw16", "sliding", "cudagraph", reference.backend.model, max_batch_size=3)
+    prefiller = on_cuda(hf_checkpoints, "mistral-sw16", "sliding", "cudagraph", reference.backend.model)
+    app, _ = serve_backend(rows.backend, name="tiny", prefiller=prefiller.backend, speculative="ngram:4")
+    with running(app) as url:
+        api = client(url)
+
+        def ask(args: tuple[list[int], float]) -> list[int]:
+            reply = api.completions.create(model="tiny", prompt=args[0], max_tokens=40, temperature=args[1], seed=7)
+            return reply.choices[0].model_extra["token_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(ask, asks))
+        metrics = httpx.get(f"{url}/metrics").text
+    assert got[:2] == [reference.generate([ids], 40)[0] for ids, _ in asks[:2]]
+    assert len(got[2]) == 40
+    drafted = next(line for line in metrics.splitlines() if line.startswith("staticrt_draft_tokens_total"))
+    assert float(drafted.split()[-1]) > 0

@@ -220,6 +220,11 @@ class CompiledBackend(EagerBackend):
             and not self.freezes(seq_len, choice)
         )
 
+    def graph_options(self, seq_len: int, layers_once: bool) -> dict[str, Any]:
+        """How torch.compile is asked for a graph of `seq_len` tokens a row (`layers_once`: see
+        `layers_once_options`)."""
+        return self.layers_once_options if layers_once else self.compile_options
+
     def past_guards(self, graph: StepFn) -> StepFn:
         """What runs `graph` for the rest of the generation, its guards having passed: its code
         called directly, or the graph itself where torch offers no such code."""
@@ -249,7 +254,7 @@ class CompiledBackend(EagerBackend):
                 ),
                 fullgraph=True,
                 dynamic=False,
-                **(self.layers_once_options if once else self.compile_options),
+                **self.graph_options(seq_len, once),
             )
             self._graphs[key] = compiled
         return self._graphs[key]

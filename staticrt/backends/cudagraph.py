@@ -10,6 +10,12 @@ and sampling decode graphs also feed themselves: they copy their output into the
 sampling uniforms when sampling) and reads the ids out once a step. Beam search's reordering of
 the cache rows is a captured graph of its own, over a static `rows` buffer.
 
+Greedy decode runs one step ahead (`run_ahead`): a step launches the next replay before it waits
+for its own ids, so the GPU never idles while the host reads ids, checks stops and calls back. The
+step ahead is fed the ids the loop feeds next anyway; where the loop asks for something else (a
+stop, a verify or prefill step) its one column a row lies past what the row holds, which a linear
+cache never reads: hence greedy decode on caches without rotating layers only.
+
 A graph is captured the first time its shape is asked for, mid-generation: the compiled step is
 warmed up on a side stream (which compiles it) and captured, and because warm-up runs the step
 for real, the cache and the static inputs are saved before and restored after. After capture a
@@ -22,9 +28,7 @@ for a GPU still runs on a CPU. Backend "reduce-overhead" is `torch.compile(mode=
 
 from __future__ import annotations
 
-import statistics
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,17 +36,10 @@ import torch
 
 from ..generation.loop import SamplingParams, per_row
 from .compiled import CompiledBackend
-from .eager import VERIFY_SAMPLE, StepFn, choice_candidates, starts_fresh, step_choice, verifies
+from .eager import StepFn, choice_candidates, starts_fresh, step_choice, verifies
+from .graph_capture import CapturedGraph, replay_gpu_s, same_inputs, uniform_input, warm_and_capture
 
 _WARNED = False
-
-
-def _uniform_input(choice: str, batch: int, seq_len: int, dev: torch.device) -> torch.Tensor | None:
-    """A captured step's uniform input: `[B]` for a sampling step, `[B, T, 2]` for a verify step
-    that samples (`sampling.verify_sample`), none for greedy."""
-    if choice == VERIFY_SAMPLE:
-        return torch.zeros(batch, seq_len, 2, dtype=torch.float32, device=dev)
-    return torch.zeros(batch, dtype=torch.float32, device=dev) if choice == "sample" else None
 
 
 class CudaGraphWarning(UserWarning):
@@ -61,23 +58,19 @@ def _warn_no_cuda(device: torch.device) -> None:
         )
 
 
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]  # static buffers the graph reads, by step argument name
-    output: Any  # on the device: [B] int64 chosen ids, or a beam step's ([B, k] float32, [B, k] int64)
-    expected: tuple[np.ndarray, np.ndarray] | None = None  # decode: (ids, write_index) its buffers hold next
-    params: tuple[tuple[Any, ...], ...] | None = None  # sampling parameters its buffers hold, a row each
-
-
 class CudaGraphBackend(CompiledBackend):
     name = "cudagraph"
     compile_options: dict[str, Any] = {"options": {}}  # inductor's defaults on CUDA (cpp_wrapper is the CPU's)
+    # One row's decode step: inductor turns each matrix-vector product into a reduction it tunes
+    # (torch's mm decomposition, taken with coordinate descent tuning; gpt-fast's setting).
+    matvec_options: dict[str, Any] = {"options": {"coordinate_descent_tuning": True}}
+    run_ahead = True  # launch greedy decode's next replay before reading this step's ids (module docstring)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.captured: dict[tuple[int, str, bool], _Graph] = {}  # by (tokens a row, `step_choice`, `starts_fresh`)
-        self.reorder_graph: _Graph | None = None
+        # by (tokens a row, `step_choice`, `starts_fresh`)
+        self.captured: dict[tuple[int, str, bool], CapturedGraph] = {}
+        self.reorder_graph: CapturedGraph | None = None
         self.decode_from: np.ndarray | None = None  # write_index of the last generation's first decode step
         if self.device.type != "cuda":
             _warn_no_cuda(self.device)
@@ -85,6 +78,9 @@ class CudaGraphBackend(CompiledBackend):
             return
         self.pool = torch.cuda.graph_pool_handle()  # one pool for every graph
         self.host_ids = torch.empty(self.batch_size, dtype=torch.int64, pin_memory=True)
+        self.copied = torch.cuda.Event()  # the step's ids are in `host_ids`
+        self.ahead: tuple[np.ndarray, np.ndarray] | None = None  # (ids [B, 1], write_index [B]) of a replay in flight
+        self.decodes = 0  # greedy decode steps in a row: the loop runs ahead from the second on
 
     def step(
         self,
@@ -100,15 +96,35 @@ class CudaGraphBackend(CompiledBackend):
         if seq_len == 1 and self.decode_from is None:
             self.decode_from = write_index.copy()
         choice = step_choice(uniforms is not None)
-        output = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
-        # The step's one device-to-host synchronisation: the chosen ids, copied out of the graph's
-        # output before the next replay overwrites it.
+        decode, ahead = self.captured.get((1, "greedy", False)), self.ahead
+        streak = self.decodes + 1 if seq_len == 1 and choice == "greedy" else 0
+        if ahead is not None and choice == "greedy" and same_inputs(ahead, input_ids, write_index):
+            output, self.ahead = decode.output, None  # this step is the replay in flight
+        else:
+            output = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
+        # The step's one wait: for its ids, copied out before the next replay overwrites them.
         self.host_ids.copy_(output, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
+        self.copied.record()
+        self.decodes = streak
+        launched = streak > 1 and self._may_run_ahead(write_index)
+        if launched:
+            decode.graph.replay()  # fed from its own buffers: this step's ids, at write_index + 1
+        self.copied.synchronize()
         next_ids = self.host_ids.numpy().copy()
-        if seq_len == 1:  # the graph left these in its own input buffers
-            self.captured[1, choice, False].expected = (next_ids.reshape(batch, 1), write_index + 1)
+        if seq_len == 1:  # the graph left these in its own input buffers, or fed them to the step ahead
+            fed = (next_ids.reshape(batch, 1), write_index + 1)
+            if launched:
+                self.ahead, decode.expected = fed, None
+            else:
+                self.captured[1, choice, False].expected = fed
         return next_ids
+
+    def _may_run_ahead(self, write_index: np.ndarray) -> bool:
+        """Whether greedy decode may launch the step after the one at `write_index [B]`: its
+        column lies inside the cache, and no layer rotates (whose slots it would overwrite)."""
+        limit = self.max_sequence_len
+        within = limit is None or int(write_index.max()) + 2 <= limit
+        return self.run_ahead and within and not self.rotating_layouts
 
     def run(
         self,
@@ -122,6 +138,7 @@ class CudaGraphBackend(CompiledBackend):
         """Replay the step's graph (captured on first use) and return its static output buffers."""
         if self.device.type != "cuda":
             return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
+        self.ahead, self.decodes = None, 0  # a replay in flight is not this one (its buffers: `expected` None)
         seq_len = input_ids.shape[1]
         self.cache.check_step(write_index, seq_len)
         key = (seq_len, choice, starts_fresh(write_index, seq_len))
@@ -132,6 +149,12 @@ class CudaGraphBackend(CompiledBackend):
         entry.graph.replay()
         return entry.output
 
+    def graph_options(self, seq_len: int, layers_once: bool) -> dict[str, Any]:
+        """One row's decode step on CUDA as tuned matrix-vector reductions (`matvec_options`)."""
+        if self.device.type == "cuda" and self.batch_size * seq_len == 1:
+            return self.matvec_options
+        return super().graph_options(seq_len, layers_once)
+
     def reorder_rows(self, rows: np.ndarray) -> None:
         """Beam search's in-place reorder of the cache rows, as a captured graph on CUDA. Warm-up
         and capture run it with `rows` the identity, which leaves the cache as it is."""
@@ -139,43 +162,29 @@ class CudaGraphBackend(CompiledBackend):
             return super().reorder_rows(rows)
         if self.reorder_graph is None:
             buffer = torch.arange(self.batch_size, device=self.device)
-            entry = _Graph(torch.cuda.CUDAGraph(), {"rows": buffer}, None)
-            self._warm_and_capture(entry, lambda: self.cache.reorder_cache(buffer))
+            entry = CapturedGraph(torch.cuda.CUDAGraph(), {"rows": buffer}, None)
+            reorder = lambda: self.cache.reorder_cache(buffer)  # noqa: E731
+            warm_and_capture(entry, reorder, self.cache.state_buffers(), self.pool, self.device)
             self.reorder_graph = entry
         self.reorder_graph.inputs["rows"].copy_(torch.from_numpy(rows), non_blocking=True)
         self.reorder_graph.graph.replay()
 
     def reset(self) -> None:
         super().reset()
-        self.decode_from = None
+        self.decode_from, self.ahead, self.decodes = None, None, 0
 
     def report(self) -> dict[str, Any]:
         """Also, on CUDA, the GPU time of one replay of the greedy decode graph (`graph_gpu_ms`)."""
         report = super().report()
         decode = self.captured.get((1, "greedy", False))
         if decode is not None and self.decode_from is not None:
-            report["graph_gpu_ms"] = 1000 * self.graph_gpu_s(decode, self.decode_from)
-            decode.expected = None  # the replays left other inputs in its buffers
+            report["graph_gpu_ms"] = 1000 * replay_gpu_s(decode, self.decode_from)
+            decode.expected, self.ahead = None, None  # the replays left other inputs in its buffers
         return report
-
-    @staticmethod
-    def graph_gpu_s(entry: _Graph, write_index: np.ndarray, repeats: int = 50) -> float:
-        """Seconds of GPU time one replay of a decode graph takes, from CUDA events around each
-        replay (the host's share of a step is the step's wall time minus this). The graph advances
-        its own `write_index` buffer, so it is set back before each replay, outside the events."""
-        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        position = torch.from_numpy(write_index).to(entry.inputs["write_index"].device)
-        for start, end in pairs:
-            entry.inputs["write_index"].copy_(position)
-            start.record()
-            entry.graph.replay()
-            end.record()
-        pairs[-1][1].synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in pairs) / 1000
 
     def _load_inputs(
         self,
-        entry: _Graph,
+        entry: CapturedGraph,
         input_ids: np.ndarray,
         write_index: np.ndarray,
         num_new: np.ndarray,
@@ -184,8 +193,7 @@ class CudaGraphBackend(CompiledBackend):
     ) -> None:
         """Copy host inputs into the graph's static buffers, skipping what the buffers already hold."""
         buffers = entry.inputs
-        held = entry.expected
-        if held is None or not (np.array_equal(held[0], input_ids) and np.array_equal(held[1], write_index)):
+        if entry.expected is None or not same_inputs(entry.expected, input_ids, write_index):
             buffers["input_ids"].copy_(torch.from_numpy(input_ids), non_blocking=True)
             buffers["write_index"].copy_(torch.from_numpy(write_index), non_blocking=True)
             buffers["num_new"].copy_(torch.from_numpy(num_new), non_blocking=True)
@@ -211,7 +219,7 @@ class CudaGraphBackend(CompiledBackend):
         num_new: np.ndarray,
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
-    ) -> _Graph:
+    ) -> CapturedGraph:
         """Warm up (compile) on a side stream and capture the step of this shape, leaving the cache
         as it was: warm-up runs the step for real. `key`: (tokens a row, `step_choice`, `starts_fresh`)."""
         (seq_len, choice, fresh), batch, dev = key, self.batch_size, self.device
@@ -222,14 +230,14 @@ class CudaGraphBackend(CompiledBackend):
             "temperature": torch.ones(batch, dtype=torch.float32, device=dev),
             "top_k": torch.zeros(batch, dtype=torch.int64, device=dev),
             "top_p": torch.ones(batch, dtype=torch.float32, device=dev),
-            "uniform": _uniform_input(choice, batch, seq_len, dev),
+            "uniform": uniform_input(choice, batch, seq_len, dev),
         }
         fn, k = self.step_function(*key), choice_candidates(choice)
         if k:  # a beam step's candidates: log-probabilities and ids, [B, k] each
             output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
         else:  # a token a row, or after every position of a verify step
             output = torch.zeros((batch, seq_len) if verifies(choice) else batch, dtype=torch.int64, device=dev)
-        entry = _Graph(torch.cuda.CUDAGraph(), {n: v for n, v in inputs.items() if v is not None}, output)
+        entry = CapturedGraph(torch.cuda.CUDAGraph(), {n: v for n, v in inputs.items() if v is not None}, output)
         feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
 
         def run() -> None:
@@ -244,28 +252,8 @@ class CudaGraphBackend(CompiledBackend):
             entry.expected, entry.params = None, None
             self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
 
-        self._warm_and_capture(entry, run, load)
+        warm_and_capture(entry, run, self.cache.state_buffers(), self.pool, dev, load)
         return entry
-
-    def _warm_and_capture(self, entry: _Graph, run: Any, load: Any = None) -> None:
-        """Run `run` twice on a side stream (compiling what it calls), capture it into `entry.graph`,
-        and put back the cache state the warm-up runs changed; `load` refills the inputs first."""
-        dev = self.device
-        saved = [b.clone() for b in self.cache.state_buffers()]
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.no_grad(), torch.cuda.stream(side):
-            for _ in range(2):
-                if load is not None:
-                    load()
-                run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.no_grad(), torch.cuda.graph(entry.graph, pool=self.pool):
-            run()
-        for buffer, value in zip(self.cache.state_buffers(), saved):
-            buffer.copy_(value)
-        if load is not None:
-            load()
 
 
 class ReduceOverheadBackend(CompiledBackend):
