@@ -14,6 +14,8 @@
 #   bench/gpu.sh offload OUT        bench-1b at prompt 8192: OffloadedStatic against Static
 #   bench/gpu.sh onnx    OUT        bench-1b in float16: ONNX Runtime with its CUDA graph beside
 #                                   cudagraph (needs onnxruntime-gpu)
+#   bench/gpu.sh placement OUT      where ONNX Runtime's CUDA provider places a tiny Gemma2 graph: the
+#                                   host-device copies that keep its CUDA graph off (bench/onnx_placement.py)
 #   bench/gpu.sh serve   OUT        bench-serve on bench-llama, cudagraph backend, against transformers
 #                                   serve and one request at a time
 #
@@ -25,10 +27,13 @@
 # Wall time of each stage on an H100 with 16 CPUs and a cold inductor cache (2026-11-24, torch
 # 2.11.0+cu130): tests 285 s; decode at one batch size 290 s when the inductor cache was warm and over
 # 400 s cold (transformers' warm-up alone 118 s; `compiled` compiles its prefill graph in 63-109 s on
-# CUDA, hence not in the default list). A stage cut short writes no JSON: give each its own command.
+# CUDA, hence not in the default list). On an H200 (2026-11-26): tests over 250 s with 12 workers and
+# `ab` compiling beside them (cut short at 87 of 111), ab 267 s from cold with the tests beside it.
+# A stage cut short writes no JSON: give each its own command. Name `--dist load` (as `tests` does)
+# in any other pytest command there: the project's default, loadfile, runs a file on one worker.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bench/gpu.sh tests|suite|ab|decode|offload|onnx|serve OUT [BATCH ... | AB ARGS]"
+usage="usage: bench/gpu.sh tests|suite|ab|decode|offload|onnx|placement|serve OUT [BATCH ... | AB ARGS]"
 if [ $# -lt 2 ]; then
     echo "$usage" >&2
     exit 2
@@ -88,6 +93,11 @@ onnx)
         exit 3
     fi
     bench onnx-bench-1b --model bench-1b --dtype float16 --new-tokens 128 --backends onnx,cudagraph
+    ;;
+placement)
+    "$py" -m staticrt.cli export --model tiny-gemma2 --cache hybrid --max-cache-len 128 --format onnx \
+        --out /tmp/staticrt-placement >"$out/placement.log" 2>&1
+    "$py" bench/onnx_placement.py /tmp/staticrt-placement 2>"$out/placement-ort.log" | tee -a "$out/placement.log"
     ;;
 serve)
     "$py" -m staticrt.cli bench-serve --model bench-llama --backend cudagraph --device cuda --requests 192 \

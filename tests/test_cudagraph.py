@@ -159,8 +159,8 @@ def test_cudagraph_verify_steps_give_the_eager_tokens_and_allocate_nothing_after
     )
     wants = [reference.generate([repeating_prompt(seed)], 40)[0] for seed in (1, 2)]
     assert gen.generate([repeating_prompt(1)], 40, speculative=own)[0] == wants[0]
-    stats = gen.last_stats
-    assert stats.verify_steps > 0 and stats.accepted == stats.drafted > 2 * stats.verify_steps
+    stats = gen.last_stats  # every draft kept (a row whose 16 rotating slots are full drafts one a step)
+    assert stats.verify_steps > 0 and stats.accepted == stats.drafted >= stats.verify_steps
     for seed, want in zip((1, 2), wants):
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_stats()["allocation.all.allocated"]

@@ -67,16 +67,58 @@ def test_onnx_greedy_tokens_equal_transformers_and_sampling_equals_eager(onnx_ar
 
 
 def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):
-    from staticrt.backends.onnx import OnnxBackend, _has_cuda_device
+    from staticrt.backends.onnx import OnnxBackend
+    from staticrt.backends.onnx_session import has_cuda_device
     from staticrt.generation.generator import Generator
 
-    if not _has_cuda_device():
+    if not has_cuda_device():
         pytest.skip("no CUDA device: ONNX Runtime's CUDA provider and its CUDA graphs run only on a GPU")
     folder = onnx_artifacts["gemma2", "hybrid"]
     cpu = Generator(OnnxBackend(folder, device="cpu")).generate(prompts(), max_new_tokens=NEW_TOKENS)
     gen = Generator(OnnxBackend(folder, device="cuda"))
-    assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu  # decode replays one captured graph
     assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu
+    assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu
+    assert gen.backend.cuda_graphs  # decode replayed one captured graph (else an OnnxCudaGraphWarning says why)
+
+
+def test_where_onnx_runtime_will_not_capture_a_cuda_graph_the_session_runs_without_and_says_why(
+    onnx_artifacts, monkeypatch
+):
+    """Seen on an H200 with onnxruntime-gpu 1.31.1: the graph loads on the CUDA provider, but ONNX
+    Runtime refuses its CUDA graph. The session is made again without one, with a warning that
+    gives ONNX Runtime's reason; any other load failure stays an ArtifactError."""
+    import onnxruntime as ort
+
+    from staticrt.backends.onnx_session import OnnxCudaGraphWarning, session
+
+    refusal = (
+        "[ONNXRuntimeError] : 1 : FAIL : This session cannot use the graph capture feature as requested by the user "
+        " as all compute graph nodes have not been partitioned to the CUDAExecutionProvider"
+    )
+    real, asked = ort.InferenceSession, []
+
+    def on_a_gpu(path, options, providers):  # the CUDA provider's answers, then a CPU session for the rest
+        asked.append(providers[0])
+        if providers[0][1]["enable_cuda_graph"] == "1":
+            raise RuntimeError(refusal)
+        return real(path, options, providers=["CPUExecutionProvider"])
+
+    monkeypatch.setattr(ort, "InferenceSession", on_a_gpu)
+    folder = onnx_artifacts["llama", "static"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    path = folder / manifest["onnx"]["graph"]
+    with pytest.warns(OnnxCudaGraphWarning) as caught:
+        _, graphs = session(path, manifest["onnx"], None, "cuda", True, manifest)
+    assert graphs is False
+    assert asked == [("CUDAExecutionProvider", {"enable_cuda_graph": flag}) for flag in ("1", "0")]
+    assert [str(w.message) for w in caught] == [
+        f"{path}: ONNX Runtime would not capture its decode step in a CUDA graph ({refusal}); decode runs on CUDA "
+        "without one, launching each node's kernels every step. Its node placements (the session at log level 0, "
+        "or bench/onnx_placement.py) show which node or copy keeps it off"
+    ]
+    monkeypatch.setattr(ort, "InferenceSession", lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("bad graph")))
+    with pytest.raises(ArtifactError, match=r"cannot load this graph .*: bad graph; install an onnxruntime-gpu"):
+        session(path, manifest["onnx"], None, "cuda", True, manifest)
 
 
 def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_artifacts):

@@ -21,46 +21,11 @@ from typing import Any
 import numpy as np
 
 from ..artifacts.manifest import INDEXED_LOGITS, LOGITS_INDEX, REEXPORT
-from ..errors import ArtifactError, check_positions, first_line
+from ..errors import ArtifactError, check_positions
 from ..generation.host_sampling import choose, verify
 from ..generation.loop import SamplingParams
 from .artifact_base import ArtifactBackend
-
-
-def _session(
-    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, dtype: str
-) -> Any:
-    """An InferenceSession, or an ArtifactError that names the graph, its opset and the installed
-    onnxruntime, and the way out: ONNX Runtime's CPU provider has no bfloat16 kernels for most
-    operators (a bfloat16 graph loads on CUDA only)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    # Loading logs errors only: the graph's optional input (logits_index, whose default is an
-    # initializer) draws a warning on every load that it is not constant-folded, which it must not
-    # be. A run logs warnings (`run_options`), where ONNX Runtime says what it copies.
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    providers: list[Any] = ["CPUExecutionProvider"]
-    if device == "cuda":
-        providers.insert(0, ("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graphs else "0"}))
-    try:
-        return ort.InferenceSession(str(path), options, providers=providers)
-    except Exception as err:  # onnxruntime raises its own exception types, by status
-        reason = first_line(err)
-        bfloat16_on_cpu = dtype == "bfloat16" and device == "cpu"
-        way_out = (
-            "ONNX Runtime's CPU provider has no bfloat16 kernels for it: run it where a CUDA GPU is (the onnx "
-            "backend takes it when present), or re-export with --dtype float32 or float16 for the CPU"
-            if bfloat16_on_cpu
-            else f"install an onnxruntime-gpu that runs opset {section['opset']} or re-export the artifact with "
-            "this staticrt"
-        )
-        raise ArtifactError(
-            f"{path}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
-            f"{section['ir_version']}, {dtype}): {reason}; {way_out}"
-        ) from None
+from .onnx_session import has_cuda_device, session
 
 
 class OnnxBackend(ArtifactBackend):
@@ -83,12 +48,12 @@ class OnnxBackend(ArtifactBackend):
         folder, manifest = self.folder, self.manifest
         section = manifest["onnx"]
         available = ort.get_available_providers()
-        device = device or ("cuda" if "CUDAExecutionProvider" in available and _has_cuda_device() else "cpu")
+        device = device or ("cuda" if "CUDAExecutionProvider" in available and has_cuda_device() else "cpu")
         if device not in ("cpu", "cuda"):
             raise ArtifactError(f"device {device!r} is unknown to the onnx backend; use cpu or cuda")
         # A CUDA graph needs one decode shape; an all-rotating cache's mask grows, so it runs without.
         graphs = device == "cuda" and manifest["cache"]["max_sequence_len"] is not None
-        self.session = _session(folder / section["graph"], section, threads, device, graphs, manifest["dtype"])
+        self.session, self.cuda_graphs = session(folder / section["graph"], section, threads, device, graphs, manifest)
         self.device = device
         self._check_graph(folder / section["graph"], section)
         # Whether the graph returns logits at the columns a step asks for (`indexed_logits`).
@@ -117,7 +82,7 @@ class OnnxBackend(ArtifactBackend):
         self.run_options = {1: ort.RunOptions(), 0: ort.RunOptions()}
         for options in self.run_options.values():
             options.log_severity_level = 2  # warnings, as the session's default would
-        if device == "cuda" and self.max_sequence_len:  # decode replays one captured graph; prefill never
+        if self.cuda_graphs:  # decode replays one captured graph; prefill never
             self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
             self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
 
@@ -270,14 +235,3 @@ class OnnxBackend(ArtifactBackend):
             shape = [self.batch_size, columns, self.vocab_size]
             self.logits[key] = ort.OrtValue.ortvalue_from_shape_and_type(shape, self.logits_dtype, self.device, 0)
         return self.logits[key]
-
-
-def _has_cuda_device() -> bool:
-    """Whether a CUDA device is present (onnxruntime-gpu lists its CUDA provider on any machine)."""
-    import ctypes
-
-    try:
-        count = ctypes.c_int(0)
-        return ctypes.CDLL("libcudart.so").cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0
-    except OSError:
-        return False

@@ -1,0 +1,92 @@
+"""The ONNX Runtime session an artifact's graph runs in: its providers and options, errors that
+name the graph and the way out, and ONNX Runtime's CUDA graph where it will capture one."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..errors import ArtifactError, first_line
+
+
+class OnnxCudaGraphWarning(UserWarning):
+    """ONNX Runtime would not capture an artifact's decode in a CUDA graph: it runs on CUDA without."""
+
+
+class _NoCapture(Exception):
+    """ONNX Runtime refused the session's CUDA graph (its reason as the message)."""
+
+
+# How onnxruntime says it will not capture: some node runs off the CUDA provider, or a copy between
+# host and device sits inside the graph (InferenceSession::Initialize, "graph capture feature").
+_NO_CAPTURE = "cannot use the graph capture feature"
+
+
+def session(
+    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, manifest: dict[str, Any]
+) -> tuple[Any, bool]:
+    """An InferenceSession for the graph at `path` and whether its CUDA graph is on (asked with
+    `cuda_graphs`; where ONNX Runtime refuses to capture one, the session runs without it, with
+    an `OnnxCudaGraphWarning`), or an ArtifactError that names the graph, its opset and the
+    installed onnxruntime, and the way out."""
+    try:
+        return _session(path, section, threads, device, cuda_graphs, manifest["dtype"]), cuda_graphs
+    except _NoCapture as err:
+        reason = str(err)
+    warnings.warn(
+        f"{path}: ONNX Runtime would not capture its decode step in a CUDA graph ({reason}); decode runs on "
+        "CUDA without one, launching each node's kernels every step. Its node placements (the session at log "
+        "level 0, or bench/onnx_placement.py) show which node or copy keeps it off",
+        OnnxCudaGraphWarning,
+        stacklevel=3,
+    )
+    return _session(path, section, threads, device, False, manifest["dtype"]), False
+
+
+def _session(
+    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, dtype: str
+) -> Any:
+    """An InferenceSession, or an ArtifactError: ONNX Runtime's CPU provider has no bfloat16
+    kernels for most operators (a bfloat16 graph loads on CUDA only)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    # Loading logs errors only: the graph's optional input (logits_index, whose default is an
+    # initializer) draws a warning on every load that it is not constant-folded, which it must not
+    # be. A run logs warnings (`run_options`), where ONNX Runtime says what it copies.
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    providers: list[Any] = ["CPUExecutionProvider"]
+    if device == "cuda":
+        providers.insert(0, ("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graphs else "0"}))
+    try:
+        return ort.InferenceSession(str(path), options, providers=providers)
+    except Exception as err:  # onnxruntime raises its own exception types, by status
+        reason = first_line(err)
+        if cuda_graphs and _NO_CAPTURE in reason:
+            raise _NoCapture(reason) from None
+        bfloat16_on_cpu = dtype == "bfloat16" and device == "cpu"
+        way_out = (
+            "ONNX Runtime's CPU provider has no bfloat16 kernels for it: run it where a CUDA GPU is (the onnx "
+            "backend takes it when present), or re-export with --dtype float32 or float16 for the CPU"
+            if bfloat16_on_cpu
+            else f"install an onnxruntime-gpu that runs opset {section['opset']} or re-export the artifact with "
+            "this staticrt"
+        )
+        raise ArtifactError(
+            f"{path}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
+            f"{section['ir_version']}, {dtype}): {reason}; {way_out}"
+        ) from None
+
+
+def has_cuda_device() -> bool:
+    """Whether a CUDA device is present (onnxruntime-gpu lists its CUDA provider on any machine)."""
+    import ctypes
+
+    try:
+        count = ctypes.c_int(0)
+        return ctypes.CDLL("libcudart.so").cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0
+    except OSError:
+        return False
