@@ -115,7 +115,7 @@ def test_quantize_refuses_what_it_cannot_run_before_changing_anything(tmp_path):
     with pytest.raises(ConfigError) as err:
         staticrt.load_model("tiny-llama", quantize="int3")
     assert str(err.value) == (
-        "quantize 'int3' is not supported; choose one of int8, int8-a8, int4, int4-g32, int4-g64, int4-g128 "
+        "quantize 'int3' is not supported; choose one of int8, int8-a8, int4, int4-g32, int4-g64, int4-g128, int4-a8 "
         "(int4 is int4-g32), or none"
     )
     with pytest.raises(ConfigError) as err:

@@ -12,8 +12,8 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config import ModelConfig
+from ..models.a8_linear import A8Linear
 from ..models.decoder import Decoder
-from ..models.int8_kernel import Int8Linear
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
@@ -26,9 +26,9 @@ def stored_bytes(tensor: torch.Tensor) -> int:
 
 def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     """Bytes of weights one decode step reads: every matrix once (as stored: int8 / int4 with
-    their scales when quantized; staticrt's int8 kernel's codes and scales are buffers), but of an
+    their scales when quantized; staticrt's int8-activation kernels' codes and scales are buffers), but of an
     untied embedding table only the looked-up rows."""
-    codes = [b for m in model.modules() if isinstance(m, Int8Linear) for b in m.buffers(recurse=False)]
+    codes = [b for m in model.modules() if isinstance(m, A8Linear) for b in m.buffers(recurse=False)]
     total = sum(stored_bytes(p) for p in [*model.parameters(), *codes])
     embed = model.embed_tokens.weight
     if model.lm_head is not None:

@@ -90,12 +90,12 @@ def export_artifact(
 def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
     """Refuse quantized weights in the torch formats beside the ONNX graph: the torch programs run
     torchao's weights in bfloat16, the ONNX graph ONNX Runtime's quantization of the float32 weights
-    (onnx_quantize.py), so they are two models and go to two artifacts. int8-a8 runs in staticrt's
-    own CPU kernel, which no artifact carries."""
-    if quantize == "int8-a8":
+    (onnx_quantize.py), so they are two models and go to two artifacts. int8-a8 and int4-a8 run in
+    staticrt's own CPU kernels, which no artifact carries."""
+    if quantize in ("int8-a8", "int4-a8"):
         raise ArtifactError(
-            "quantize 'int8-a8' runs in staticrt's own CPU kernel, which artifacts do not carry yet; export "
-            "with --quantize int8 (torchao's weights in the torch formats, ONNX Runtime's in the onnx one)"
+            f"quantize {quantize!r} runs in staticrt's own CPU kernel, which artifacts do not carry yet; export "
+            f"with --quantize {quantize[:4]} (torchao's weights in the torch formats, ONNX Runtime's in the onnx one)"
         )
     torch_formats = [f for f in formats if f != "onnx"]
     if quantize is not None and torch_formats and "onnx" in formats:

@@ -8,13 +8,14 @@ import re
 from ..errors import ConfigError
 
 INT4_GROUP_SIZES = (32, 64, 128)
-QUANTIZE_CHOICES = ("int8", "int8-a8", "int4", *(f"int4-g{g}" for g in INT4_GROUP_SIZES))
+QUANTIZE_CHOICES = ("int8", "int8-a8", "int4", *(f"int4-g{g}" for g in INT4_GROUP_SIZES), "int4-a8")
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantSpec:
     """`bits` 8 (per output channel) or 4 (per `group_size` inputs of an output channel);
-    `activations`: int8 activations too, in staticrt's own CPU kernel (models/int8_kernel.py)."""
+    `activations`: int8 activations too, in staticrt's own CPU kernels (models/a8_kernels.py; int4
+    then has a scale and minimum a block of 32)."""
 
     bits: int
     group_size: int | None = None
@@ -22,8 +23,10 @@ class QuantSpec:
 
     @property
     def name(self) -> str:
-        """The canonical spelling, as manifests and recipes record it: "int8", "int8-a8", "int4-g32"."""
-        return ("int8-a8" if self.activations else "int8") if self.bits == 8 else f"int4-g{self.group_size}"
+        """The canonical spelling, as manifests and recipes record it: "int8", "int8-a8", "int4-g32", "int4-a8"."""
+        if self.activations:
+            return f"int{self.bits}-a8"
+        return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
 
 
 def parse_quantize(value: str | None) -> QuantSpec | None:
@@ -31,8 +34,8 @@ def parse_quantize(value: str | None) -> QuantSpec | None:
     the finest group torch's int4 kernels take (the most accurate, at the same speed)."""
     if value is None or value == "none":
         return None
-    if value == "int8-a8":
-        return QuantSpec(8, activations=True)
+    if value in ("int8-a8", "int4-a8"):
+        return QuantSpec(8, activations=True) if value == "int8-a8" else QuantSpec(4, 32, activations=True)
     match = re.fullmatch(r"int8|int4(?:-g(\d+))?", value)
     group = int(match.group(1) or 32) if match and value != "int8" else None
     if match is None or (group is not None and group not in INT4_GROUP_SIZES):

@@ -14,8 +14,9 @@ at int8 by 0.3% (tests/test_real_model.py). A tied head gets its own quantized c
 is a fifth of a small model's bytes and is read in full every token, while the embedding table is
 only gathered from, a row a token, and stays in the compute dtype.
 
-"int8-a8" is not torchao's: int8 weights and activations in staticrt's own CPU kernel
-(int8_kernel.py; AVX512-VNNI or AVX2), computing in float32, faster than torch's int8 kernel.
+"int8-a8" and "int4-a8" are not torchao's: int8 or int4 weights times int8 activations in
+staticrt's own CPU kernels (a8_kernels.py; AVX512-VNNI or AVX2), computing in float32, faster than
+torch's kernels; the head is int8 in both.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ QUANTIZED_DTYPES = (torch.bfloat16, torch.float16)
 def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.dtype:
     """The compute dtype of a model loaded with `spec`: `dtype`, or by default float32 for a float
     model and bfloat16 for a quantized one; float32 with torchao's quantization is refused, and
-    int8-a8 (whose kernel takes float32 activations) computes in float32 alone."""
+    int8-a8 and int4-a8 (whose kernels take float32 activations) compute in float32 alone."""
     if spec is None:
         return dtype or torch.float32
     if spec.activations:  # staticrt's kernel takes float32 activations and quantizes them itself
         if dtype not in (None, torch.float32):
             raise ConfigError(
-                f"quantize 'int8-a8' with dtype {str(dtype).removeprefix('torch.')}: its kernel takes float32 "
-                "activations; leave --dtype out (or pass float32), or use --quantize int8 for bfloat16"
+                f"quantize {spec.name!r} with dtype {str(dtype).removeprefix('torch.')}: its kernel takes float32 "
+                f"activations; leave --dtype out (or pass float32), or use --quantize {spec.name[:4]} for bfloat16"
             )
         return torch.float32
     if dtype is None:
@@ -106,7 +107,7 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     weight = model.embed_tokens.weight
     quantized_dtype(spec, weight.dtype)  # refuses a model loaded in float32
     if spec.activations:
-        return _int8_activations(model, spec)
+        return _int8_activation_kernels(model, spec)
     if spec.bits == 4:
         sizes = sorted({m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)})
         fits = [g for g in INT4_GROUP_SIZES if all(size % g == 0 for size in sizes)]
@@ -134,29 +135,33 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     return model
 
 
-def _int8_activations(model: nn.Module, spec: QuantSpec) -> nn.Module:
-    """Every projection and the head (a tied one as a copy of its own) as `Int8Linear`, run by
-    staticrt's kernel (int8_kernel.py); refused, before any weight changes, where the kernel cannot
-    run or a projection's input size is not a multiple of its activation block."""
-    from .int8_kernel import STEP, Int8Linear, load
+def _int8_activation_kernels(model: nn.Module, spec: QuantSpec) -> nn.Module:
+    """Every projection as `Int8Linear` (int8-a8) or `Int4Linear` (int4-a8) and the head (a tied
+    one as a copy of its own) as `Int8Linear`, run by staticrt's kernels (a8_kernels.py); refused,
+    before any weight changes, where the kernels cannot run or an input size is not a multiple of
+    the 64 values they read a step."""
+    from .a8_kernels import STEP, load
+    from .a8_linear import Int4Linear, Int8Linear
 
     weight = model.embed_tokens.weight
     if weight.device.type != "cpu":
         raise ConfigError(
-            f"quantize 'int8-a8' runs on the CPU (its kernel is AVX512-VNNI or AVX2); on {weight.device} use int8"
+            f"quantize {spec.name!r} runs on the CPU (its kernel is AVX512-VNNI or AVX2); on {weight.device} use "
+            f"{spec.name[:4]}"
         )
     linears = [(name, m) for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
     sizes = sorted({m.in_features for _, m in linears} | {model.config.hidden_size})
     if any(size % STEP for size in sizes):
         raise ConfigError(
-            f"quantize 'int8-a8' reads activations {STEP} bytes at a time, and this model's input sizes are "
-            f"{sizes}, not all multiples of {STEP}; use --quantize int8"
+            f"quantize {spec.name!r} reads activations {STEP} bytes at a time, and this model's input sizes are "
+            f"{sizes}, not all multiples of {STEP}; use --quantize {spec.name[:4]}"
         )
-    load()
+    load(spec.name)
+    projection = Int8Linear if spec.bits == 8 else Int4Linear
     for name, linear in linears:
         owner, _, own = name.rpartition(".")
         parent = model.layers.get_submodule(owner) if owner else model.layers
-        setattr(parent, own, Int8Linear(linear.weight, linear.bias, getattr(linear, "parts", None)))
+        setattr(parent, own, projection(linear.weight, linear.bias, getattr(linear, "parts", None)))
     head = weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int8Linear(head)
     model.quantization = spec
