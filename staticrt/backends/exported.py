@@ -24,6 +24,8 @@ from ..dtypes import recorded_dtype
 from ..errors import ArtifactError, check_positions
 from ..generation.host_sampling import choose
 from ..generation.loop import SamplingParams
+from ..models.a8_kernels import load as load_kernels
+from ..models.quant_spec import A8_CHOICES
 from .artifact_base import ArtifactBackend
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -62,7 +64,11 @@ def _aoti_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
         libraries = [n for n in archive.namelist() if n.endswith(".so") and "/aotinductor/" in n]
         if len(libraries) != 1:
             raise ArtifactError(f"{path} holds {len(libraries)} compiled models, expected 1; re-export the artifact")
-        # dlopen maps the library; the extracted file may go once it is loaded.
+        # The runner reads the custom-op calls (staticrt's int8 kernels) from the .json beside the
+        # library, and dlopen maps the library; the extracted files may go once it is loaded.
+        beside = libraries[0].removesuffix(".so") + ".json"
+        if beside in archive.namelist():
+            archive.extract(beside, scratch)
         runner = torch._C._aoti.AOTIModelContainerRunnerCpu(archive.extract(libraries[0], scratch), 1)
         own = {name: _held_weight(archive, *where) for name, where in aoti_package_weights(archive)[1].items()}
     names = runner.get_constant_names_to_original_fqns()  # runner's constant name -> program fqn
@@ -121,6 +127,8 @@ class ExportedBackend(ArtifactBackend, RowStash):
                 f"{folder / 'manifest.json'}: field cpu_capability is {manifest.get('cpu_capability')!r}, this CPU "
                 f"offers {capability!r}; the compiled code may not run here: use --backend pt2 or re-export here"
             )
+        if manifest.get("quantize") in A8_CHOICES:  # the programs call staticrt's kernels by name
+            load_kernels(manifest["quantize"])
         self.constants = load_constants(folder, manifest)
         embedding = self.constants["model.embed_tokens.weight"]  # [V, C], as the weights file holds it
         self.check_loaded("vocab_size", self.vocab_size, embedding.shape[0], folder / manifest["weights"])

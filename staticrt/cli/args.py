@@ -63,9 +63,9 @@ def add_quantize_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
         "32, 64 or 128 inputs; int4 is int4-g32), the head as int8, computing in bfloat16: fewer bytes a token, "
         "a faster compiled decode (needs the quant extra: pip install 'staticrt[quant]'); export writes torchao's "
         "weights to pt2 (and int8 to aoti), or ONNX Runtime's MatMulNBits computing in float32 to onnx, one "
-        "artifact each. int8-a8 and int4-a8 (CPUs with AVX512-VNNI or AVX2; not exported): int8 weights, or "
-        "int4 with a scale and minimum a block of 32, times int8 activations (blocks of 32) in staticrt's own "
-        "kernels, computing in float32, compiled once on first use (~20 s)",
+        "artifact each. int8-a8 and int4-a8 (CPUs with AVX512-VNNI or AVX2; exported to aoti and pt2): int8 "
+        "weights, or int4 with a scale and minimum a block of 32, times int8 activations (blocks of 32) in "
+        "staticrt's own kernels, computing in float32, compiled once on first use (~20 s)",
     )
 
 

@@ -19,7 +19,7 @@ from ..caches.quantized import Int8KV
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
 from ..models.decoder import Decoder
-from ..models.quant_spec import QuantSpec
+from ..models.quant_spec import A8_CHOICES, QuantSpec
 
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
 INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))
@@ -64,7 +64,8 @@ def export_artifact(
             from ..models.quantize import plain_tensors
             from .torch_export import StepProgram, write_torch
 
-            step = StepProgram(plain_tensors(model) if model.quantization else model, cache).eval()
+            torchao = model.quantization is not None and not model.quantization.activations
+            step = StepProgram(plain_tensors(model) if torchao else model, cache).eval()
             manifest |= write_torch(folder, step, buckets, torch_formats, timed)
         if "onnx" in formats:
             from .onnx_export import write_onnx
@@ -90,12 +91,13 @@ def export_artifact(
 def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
     """Refuse quantized weights in the torch formats beside the ONNX graph: the torch programs run
     torchao's weights in bfloat16, the ONNX graph ONNX Runtime's quantization of the float32 weights
-    (onnx_quantize.py), so they are two models and go to two artifacts. int8-a8 and int4-a8 run in
-    staticrt's own CPU kernels, which no artifact carries."""
-    if quantize in ("int8-a8", "int4-a8"):
+    (onnx_quantize.py), so they are two models and go to two artifacts. int8-a8 and int4-a8 call
+    staticrt's own CPU kernels by name, which the torch programs can and an ONNX graph cannot."""
+    if quantize in A8_CHOICES and "onnx" in formats:
         raise ArtifactError(
-            f"quantize {quantize!r} runs in staticrt's own CPU kernel, which artifacts do not carry yet; export "
-            f"with --quantize {quantize[:4]} (torchao's weights in the torch formats, ONNX Runtime's in the onnx one)"
+            f"quantize {quantize!r} runs in staticrt's own CPU kernels, which an ONNX graph cannot call; export it "
+            f"to the torch formats (--format aoti,pt2), or to onnx with --quantize {quantize[:4]} (ONNX Runtime's "
+            "int8/int4 weights)"
         )
     torch_formats = [f for f in formats if f != "onnx"]
     if quantize is not None and torch_formats and "onnx" in formats:

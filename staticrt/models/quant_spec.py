@@ -8,6 +8,7 @@ import re
 from ..errors import ConfigError
 
 INT4_GROUP_SIZES = (32, 64, 128)
+A8_CHOICES = ("int8-a8", "int4-a8")  # int8 activations too, in staticrt's own CPU kernels
 QUANTIZE_CHOICES = ("int8", "int8-a8", "int4", *(f"int4-g{g}" for g in INT4_GROUP_SIZES), "int4-a8")
 
 
@@ -34,7 +35,7 @@ def parse_quantize(value: str | None) -> QuantSpec | None:
     the finest group torch's int4 kernels take (the most accurate, at the same speed)."""
     if value is None or value == "none":
         return None
-    if value in ("int8-a8", "int4-a8"):
+    if value in A8_CHOICES:
         return QuantSpec(8, activations=True) if value == "int8-a8" else QuantSpec(4, 32, activations=True)
     match = re.fullmatch(r"int8|int4(?:-g(\d+))?", value)
     group = int(match.group(1) or 32) if match and value != "int8" else None
