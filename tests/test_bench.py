@@ -15,6 +15,7 @@ import pytest
 
 from staticrt.bench import BenchError, run_bench
 from staticrt.cli.main import main
+from staticrt.models import a8_kernels
 
 
 def test_sliding_bench_compares_the_same_tokens_as_transformers():
@@ -131,6 +132,19 @@ def test_onnx_bench_exports_and_runs_the_same_tokens_as_eager():
     assert onnx["prompt_len"] == 24 and onnx["decode_ms_per_token"] > 0
 
 
+@pytest.mark.skipif(a8_kernels.unavailable() is not None, reason="int8-a8 needs AVX512-VNNI or AVX2 (test_a8_kernels)")
+def test_the_torch_formats_bench_exports_the_model_as_loaded_and_runs_its_tokens():
+    """aoti and pt2 export each weight variant as loaded (int8-a8: staticrt's kernels, called from
+    the AOTInductor library) and give the eager backend's tokens on it."""
+    report = run_bench(
+        "tiny-llama", ["eager", "aoti", "pt2"], new_tokens=8, prompt_len=16, repeats=1, quantize=("none", "int8-a8")
+    )
+    runs = report["backends"]
+    for suffix in ("", "-int8-a8"):
+        assert runs[f"aoti{suffix}"]["tokens"] == runs[f"pt2{suffix}"]["tokens"] == runs[f"eager{suffix}"]["tokens"]
+    assert runs["aoti-int8-a8"]["weight_bytes_per_step"] < runs["aoti"]["weight_bytes_per_step"] / 3
+
+
 def test_onnx_cannot_join_the_offload_bench():
     with pytest.raises(
         BenchError,
@@ -158,7 +172,7 @@ def test_llamacpp_and_quantized_runs_are_refused_before_anything_loads(tmp_path)
     with pytest.raises(
         BenchError,
         match=r"^--quantize int8: backends hf run the float weights only; add a staticrt backend "
-        r"\(eager, compiled, cudagraph, onnx\) or none to --quantize$",
+        r"\(eager, compiled, cudagraph, aoti, pt2, onnx\) or none to --quantize$",
     ):
         run_bench("tiny-llama", ["hf"], quantize=("int8",))
 

@@ -23,6 +23,7 @@ from hf_models import hf_greedy, save_hf_model
 import staticrt
 from staticrt import GenerationError
 from staticrt.backends.freezing import FREEZE_MIN_HIDDEN
+from staticrt.models import a8_kernels
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
 NEW = 12
@@ -210,3 +211,21 @@ def test_a_weight_replaced_after_loading_is_read_by_the_stored_graph_that_runs_n
     layer.weight = torch.nn.Parameter(layer.weight.detach() * -1, requires_grad=False)
     with pytest.raises(GenerationError, match="weights changed in place after its decode graph froze them"):
         gen.generate(PROMPTS, 4)
+
+
+@pytest.mark.skipif(a8_kernels.unavailable() is not None, reason="int8-a8 needs AVX512-VNNI or AVX2 (test_a8_kernels)")
+@pytest.mark.parametrize("quantize", ["int8-a8", "int4-a8"])
+def test_graphs_calling_staticrts_kernels_are_stored_with_their_calls_and_loaded(llama_256, quantize, monkeypatch):
+    """An int8-a8 / int4-a8 model's graphs call the kernels by name: the entry keeps the calls
+    beside the library (step.json), and a new backend loads both and gives eager's tokens."""
+    monkeypatch.setenv("STATICRT_CACHE", str(Path(os.environ["STATICRT_CACHE"]) / quantize))
+    model = staticrt.load_model(llama_256[0], quantize=quantize)
+    expected = staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(PROMPTS, NEW)
+    tokens, said = compiled_run(model)
+    assert tokens == expected and sum(line.startswith("compiled the") for line in said) == 2
+    kept = entries()
+    assert len(kept) == 2 and all((e / "step.json").is_file() for e in kept)
+    tokens, said = compiled_run(model)
+    assert tokens == expected
+    assert [line.split(",")[0] for line in said if line.startswith("loaded")] == ["loaded from the compile cache"] * 2
+    assert entries() == kept

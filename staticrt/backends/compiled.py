@@ -261,10 +261,13 @@ class CompiledBackend(EagerBackend):
 
     def _stored_graph(self, key: tuple[int, str, bool]) -> StepModule | None:
         """The graph `key` as the compile cache builds and keys it; None where graphs compile in
-        the process: on CUDA (CUDA graphs capture them), for quantized weights (torchao's tensors
-        do not travel as plain constants), for a small model, or with the cache turned off."""
+        the process: on CUDA (CUDA graphs capture them), for torchao's weights (its tensors do not
+        travel as plain constants; staticrt's int8-a8/int4-a8 codes do), for a small model, or
+        with the cache turned off."""
         small = self.model.config.hidden_size < FREEZE_MIN_HIDDEN  # compiles in seconds, faster in process
-        if self.store is None or self.device.type != "cpu" or self.model.quantization is not None or small:
+        quantized = self.model.quantization
+        torchao = quantized is not None and not quantized.activations
+        if self.store is None or self.device.type != "cpu" or torchao or small:
             return None
         width, choice, _ = key
         freezing = frozen_decode_weights if self.freezes(width, choice) else None

@@ -12,8 +12,10 @@ and this one write and read the same K/V, as an artifact's programs do (exported
 The key hashes everything the graph depends on (`graph_fields`): the weights' bytes, the config,
 dtype, cache kind and shape, the graph's width and choice, threads, torch and staticrt's source,
 the CPU's vector ISA. An entry is a folder written atomically (artifacts/write.py) holding
-step.so (the library: code and packed weights) and entry.json (the fields and its CRC); an entry that does not match or
-does not load is rebuilt with a warning, never run. Two processes filling one entry each build,
+step.so (the library: code and packed weights), step.json where the graph calls staticrt's own
+kernels (int8-a8, int4-a8: the calls AOTInductor's runner makes through its proxy executor, read
+from the file beside the library) and entry.json (the fields and the files' CRCs); an entry that
+does not match or does not load is rebuilt with a warning, never run. Two processes filling one entry each build,
 and each rename puts a whole folder in place.
 """
 
@@ -48,7 +50,7 @@ log = logging.getLogger("staticrt")
 
 Key = tuple[int, str, bool]  # a graph: (tokens a row, choice, starts fresh), as compiled.py keys it
 Freezing = Callable[[], AbstractContextManager]
-LIBRARY, ENTRY = "step.so", "entry.json"
+LIBRARY, CALLS, ENTRY = "step.so", "step.json", "entry.json"
 # A frozen graph's packed weights are appended to the library, which the runner maps from the
 # entry's file: pages the kernel may share between processes and drop under pressure, no private
 # copy. Other graphs' libraries hold no weights: they read the model's own (`StoredStep`).
@@ -212,6 +214,9 @@ class GraphStore:
             raise ValueError("its entry.json records other fields than this graph's")
         if recorded.get("crc32") != _crc32(folder / LIBRARY):  # 4 GB/s: a torn or altered file, not an attack
             raise ValueError(f"{LIBRARY} does not check to what entry.json records")
+        calls = folder / CALLS
+        if recorded.get("calls_crc32") != (_crc32(calls) if calls.is_file() else None):
+            raise ValueError(f"{CALLS} does not check to what entry.json records")
         return StoredStep(folder / LIBRARY, step)
 
     def _build(self, work: Path, fields: dict[str, Any], step: StepModule) -> None:
@@ -233,10 +238,14 @@ class GraphStore:
             with step.freezing() if step.freezing else nullcontext():
                 options = AOTI_OPTIONS[step.frozen]
                 package = aoti_compile_and_package(program, inductor_configs=options, package_path=str(work / "p.pt2"))
-        with zipfile.ZipFile(package) as archive:  # the library alone is the graph (and a frozen one's weights)
+        with zipfile.ZipFile(package) as archive:  # the library (and its custom-op calls) is the graph
             (library,) = [n for n in archive.namelist() if n.endswith(".so") and "/aotinductor/" in n]
-            with archive.open(library) as source, open(work / LIBRARY, "wb") as target:
-                shutil.copyfileobj(source, target, 1 << 24)
+            calls = library.removesuffix(".so") + ".json"
+            for name, kept in ((library, LIBRARY), (calls, CALLS)):
+                if name in archive.namelist():
+                    with archive.open(name) as source, open(work / kept, "wb") as target:
+                        shutil.copyfileobj(source, target, 1 << 24)
         Path(package).unlink()
-        entry = {"fields": fields, "crc32": _crc32(work / LIBRARY), "written": time.time()}
+        calls_crc = _crc32(work / CALLS) if (work / CALLS).is_file() else None
+        entry = {"fields": fields, "crc32": _crc32(work / LIBRARY), "calls_crc32": calls_crc, "written": time.time()}
         (work / ENTRY).write_text(json.dumps(entry, indent=1) + "\n")

@@ -1,5 +1,5 @@
 """A contender is a backend warmed up (compiled, captured) and ready to be timed generation by
-generation; staticrt's backends (and ONNX Runtime over a temporary export) are built here,
+generation; staticrt's backends (and its artifact runners over a temporary export) are built here,
 transformers' in hf.py."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..artifacts.manifest import FORMATS
 from ..caches import CacheSpec, resolve_max_cache_len
 from ..generation.generator import BACKENDS, Generator
 from ..models.decoder import Decoder
@@ -51,13 +52,14 @@ def staticrt_contender(
     """A staticrt backend after one warm-up generation (it compiles). The prompt fills its prefill
     bucket exactly, so prefill times carry no padding. Backend "onnx" exports the (float) model
     with its cache, and `quantize`'s weights, to a temporary artifact first and runs it in ONNX
-    Runtime with torch's thread count; the torch backends take `model` as it was loaded."""
+    Runtime with torch's thread count; "aoti" and "pt2" export `model` as it was loaded, as the
+    other torch backends take it."""
     needed = len(prompts[0]) + new_tokens
     max_cache_len = resolve_max_cache_len(model.config, cache, max_cache_len, needed=needed)
     weight_bytes = None
-    if backend == "onnx":
+    if backend in FORMATS:
         spec = CacheSpec(cache, len(prompts), max_cache_len)
-        gen, weight_bytes = onnx_generator(model, spec, len(prompts[0]), parse_quantize(quantize))
+        gen, weight_bytes = exported_generator(model, spec, len(prompts[0]), backend, parse_quantize(quantize))
     else:
         gen = Generator(
             model,
@@ -78,15 +80,22 @@ def staticrt_contender(
     return Contender(run, tokens, warmup_s, gen.backend.report, gen.last_stats.compile_s, weight_bytes)
 
 
-def onnx_generator(model: Decoder, spec: CacheSpec, bucket: int, quantize: QuantSpec | None) -> tuple[Generator, int]:
-    """ONNX Runtime over a temporary export, and the bytes of weights its graph reads a step."""
+def exported_generator(
+    model: Decoder, spec: CacheSpec, bucket: int, fmt: str, quantize: QuantSpec | None
+) -> tuple[Generator, int | None]:
+    """An artifact runner over a temporary export of format `fmt`, and the bytes of weights an
+    ONNX graph reads a step (None for the torch formats: the model's own)."""
     from ..exporters import export_artifact
 
-    scratch = Path(tempfile.mkdtemp(prefix="staticrt-bench-onnx-"))
+    scratch = Path(tempfile.mkdtemp(prefix=f"staticrt-bench-{fmt}-"))
     try:
-        folder = export_artifact(model, spec, [bucket], scratch / "artifact", ["onnx"], quantize=quantize)
+        onnx = fmt == "onnx"  # the graph quantizes the float weights itself; the torch formats take them as loaded
+        weights = quantize if onnx else None
+        folder = export_artifact(model, spec, [bucket], scratch / "artifact", [fmt], quantize=weights)
+        if not onnx:
+            return Generator(BACKENDS[fmt].build(folder, fmt)), None
         device = next(model.parameters()).device.type
         backend = BACKENDS["onnx"].build(folder, "onnx", device=device, threads=torch.get_num_threads())
         return Generator(backend), graph_weight_bytes(folder / backend.manifest["onnx"]["graph"], spec.max_batch_size)
-    finally:  # the session holds the graph and weights in memory; the files may go
+    finally:  # the runners hold the programs, graph and weights in memory (or mapped); the files may go
         shutil.rmtree(scratch, ignore_errors=True)

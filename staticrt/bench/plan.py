@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..artifacts.manifest import FORMATS
 from ..errors import BenchError
 from ..models.quant_spec import parse_quantize
 
@@ -64,7 +65,7 @@ class BenchRequest:
         if self.quantize and all(name in FLOAT_ONLY for name in self.backends) and "none" not in self.quantize:
             raise BenchError(
                 f"--quantize {','.join(self.quantize)}: backends {', '.join(self.backends)} run the float weights "
-                "only; add a staticrt backend (eager, compiled, cudagraph, onnx) or none to --quantize"
+                "only; add a staticrt backend (eager, compiled, cudagraph, aoti, pt2, onnx) or none to --quantize"
             )
         if self.window is not None and (self.offload or self.kv_int8):
             raise BenchError("--window and --offload/--kv-int8 compare different things; run them one at a time")
@@ -73,9 +74,11 @@ class BenchRequest:
                 "--kv-int8 with hf also times transformers' QuantizedCache, which needs optimum-quanto: "
                 "pip install 'staticrt[kvquant]', or drop hf from --backends"
             )
-        if self.offload and "onnx" in self.backends:
+        exported = [b for b in self.backends if b in FORMATS]
+        if self.offload and exported:
             raise BenchError(
-                "offloaded caches do not export, so --offload cannot run the onnx backend; drop onnx from --backends"
+                f"offloaded caches do not export, so --offload cannot run the {exported[0]} backend; drop "
+                f"{exported[0]} from --backends"
             )
         if self.window is not None and self.prompt_len < self.window:
             raise BenchError(

@@ -131,7 +131,7 @@ def speculative_bench(
     import staticrt
 
     from ..caches import CacheSpec
-    from .contenders import onnx_generator
+    from .contenders import exported_generator
     from .machine import machine
 
     if threads:
@@ -146,7 +146,7 @@ def speculative_bench(
     longest = max(len(p) for ps in prompts.values() for p in ps)
     max_cache_len = 256 * -(-(longest + new_tokens) // 256)
     if backend == "onnx":  # ONNX Runtime over a temporary export of one row (its graph takes any width)
-        gen = onnx_generator(model, CacheSpec("static", 1, max_cache_len), 16, None)[0]
+        gen = exported_generator(model, CacheSpec("static", 1, max_cache_len), 16, "onnx", None)[0]
     else:
         gen = staticrt.Generator(model, max_cache_len=max_cache_len, backend=backend)
     spec, hf = _contenders(model, gen, speculative, draft, with_hf)

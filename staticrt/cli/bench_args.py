@@ -14,8 +14,9 @@ def add_bench_parser(sub: Any) -> None:
     bench.add_argument(
         "--backends",
         default="eager,compiled,hf",
-        help="comma-separated: eager, compiled, cudagraph, reduce-overhead, onnx (exported to a "
-        "temporary artifact, run in ONNX Runtime), hf (transformers, when installed)",
+        help="comma-separated: eager, compiled, cudagraph, reduce-overhead, aoti, pt2, onnx (exported to a "
+        "temporary artifact, run by AOTInductor, torch.export's program or ONNX Runtime), hf (transformers, when "
+        "installed)",
     )
     bench.add_argument("--new-tokens", type=POSITIVE, default=64)
     bench.add_argument("--prompt-len", type=POSITIVE, default=32)
