@@ -84,6 +84,15 @@ def aoti_package_weights(archive: zipfile.ZipFile) -> tuple[str | None, dict[str
     return found[0], {name: (f"{root}data/weights/{file}", *layout) for name, (file, *layout) in config.items()}
 
 
+def aoti_libraries(archive: zipfile.ZipFile) -> list[tuple[str, str | None]]:
+    """Each compiled library an AOTInductor package holds, with the entry of its custom-op calls
+    (`<library>.json`, which the runner reads from beside the library to make its proxy executor;
+    None where the graph calls no custom op)."""
+    names = archive.namelist()
+    libraries = [name for name in names if name.endswith(".so") and "/aotinductor/" in name]
+    return [(lib, calls if (calls := lib.removesuffix(".so") + ".json") in names else None) for lib in libraries]
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

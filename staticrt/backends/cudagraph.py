@@ -81,6 +81,7 @@ class CudaGraphBackend(CompiledBackend):
         self.copied = torch.cuda.Event()  # the step's ids are in `host_ids`
         self.ahead: tuple[np.ndarray, np.ndarray] | None = None  # (ids [B, 1], write_index [B]) of a replay in flight
         self.decodes = 0  # greedy decode steps in a row: the loop runs ahead from the second on
+        self.linear_cache = not self.rotating_layouts  # a step ahead's column is never read (module docstring)
 
     def step(
         self,
@@ -124,7 +125,7 @@ class CudaGraphBackend(CompiledBackend):
         column lies inside the cache, and no layer rotates (whose slots it would overwrite)."""
         limit = self.max_sequence_len
         within = limit is None or int(write_index.max()) + 2 <= limit
-        return self.run_ahead and within and not self.rotating_layouts
+        return self.run_ahead and within and self.linear_cache
 
     def run(
         self,

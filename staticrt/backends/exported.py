@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..artifacts.manifest import REEXPORT, aoti_package_weights, program_name
+from ..artifacts.manifest import REEXPORT, aoti_libraries, aoti_package_weights, program_name
 from ..caches.row_state import RowStash
 from ..dtypes import recorded_dtype
 from ..errors import ArtifactError, check_positions
@@ -61,15 +61,15 @@ def _aoti_program(path: Path, constants: dict[str, torch.Tensor]) -> Program:
     process and once a machine; docs/measurements.md), which is most of a cold
     start. The ISA was recorded at export and checked by `ExportedBackend` instead."""
     with zipfile.ZipFile(path) as archive, tempfile.TemporaryDirectory() as scratch:
-        libraries = [n for n in archive.namelist() if n.endswith(".so") and "/aotinductor/" in n]
+        libraries = aoti_libraries(archive)
         if len(libraries) != 1:
             raise ArtifactError(f"{path} holds {len(libraries)} compiled models, expected 1; re-export the artifact")
-        # The runner reads the custom-op calls (staticrt's int8 kernels) from the .json beside the
-        # library, and dlopen maps the library; the extracted files may go once it is loaded.
-        beside = libraries[0].removesuffix(".so") + ".json"
-        if beside in archive.namelist():
-            archive.extract(beside, scratch)
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(archive.extract(libraries[0], scratch), 1)
+        # The runner reads the custom-op calls (staticrt's kernels) from beside the library, and
+        # dlopen maps the library; the extracted files may go once it is loaded.
+        library, calls = libraries[0]
+        if calls is not None:
+            archive.extract(calls, scratch)
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(archive.extract(library, scratch), 1)
         own = {name: _held_weight(archive, *where) for name, where in aoti_package_weights(archive)[1].items()}
     names = runner.get_constant_names_to_original_fqns()  # runner's constant name -> program fqn
     missing = [fqn for fqn in names.values() if fqn not in constants and fqn not in own]

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..artifacts.manifest import aoti_libraries
 from ..artifacts.user_cache import cache_root
 from ..artifacts.write import write_folder
 from ..caches import KVCache
@@ -239,10 +240,9 @@ class GraphStore:
                 options = AOTI_OPTIONS[step.frozen]
                 package = aoti_compile_and_package(program, inductor_configs=options, package_path=str(work / "p.pt2"))
         with zipfile.ZipFile(package) as archive:  # the library (and its custom-op calls) is the graph
-            (library,) = [n for n in archive.namelist() if n.endswith(".so") and "/aotinductor/" in n]
-            calls = library.removesuffix(".so") + ".json"
+            ((library, calls),) = aoti_libraries(archive)
             for name, kept in ((library, LIBRARY), (calls, CALLS)):
-                if name in archive.namelist():
+                if name is not None:
                     with archive.open(name) as source, open(work / kept, "wb") as target:
                         shutil.copyfileobj(source, target, 1 << 24)
         Path(package).unlink()
