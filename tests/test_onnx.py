@@ -11,10 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 import torch
 from genai_runner import genai_greedy
 from hf_models import hf_greedy
+from onnx_host_values import host_values_read_on_the_device
 
 import staticrt
 from staticrt.artifacts.manifest import seal, sha256
@@ -79,6 +81,16 @@ def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):
     assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu
     assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu
     assert gen.backend.cuda_graphs  # decode replayed one captured graph (else an OnnxCudaGraphWarning says why)
+
+
+def test_no_value_from_a_shape_is_read_on_the_device_so_onnx_runtime_can_capture_a_cuda_graph(onnx_artifacts):
+    """The step's sizes (S, T, the rotating layers' dropped entries) enter device arithmetic as
+    device counts: ONNX Runtime's CUDA provider would compute them on the CPU and copy them over,
+    and refuse its CUDA graph (three such copies in the Gemma2 graph on an H200)."""
+    for (family, cache), folder in onnx_artifacts.items():
+        manifest = json.loads((folder / "manifest.json").read_text())
+        graph = onnx.load(str(folder / manifest["onnx"]["graph"]), load_external_data=False).graph
+        assert host_values_read_on_the_device(graph) == [], f"{family} {cache}"
 
 
 def test_where_onnx_runtime_will_not_capture_a_cuda_graph_the_session_runs_without_and_says_why(

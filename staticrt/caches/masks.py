@@ -40,7 +40,8 @@ def key_positions(
     as it was, then the step's own T entries): the position of every key a query at
     `positions [B, T]` is scored against (negative for an empty slot)."""
     seq_len = positions.shape[1]
-    filled_to = positions[:, 0] + (seq_len if writes_first else 0)  # [B] positions held when attending
+    # [B] positions held when attending (positions run consecutively: the last + 1 is the first + T)
+    filled_to = positions[:, -1] + 1 if writes_first else positions[:, 0]
     held = held_positions(filled_to, slots, rotating, sinks)[:, None, :].expand(-1, seq_len, -1)  # [B, T, slots]
     if writes_first:
         return held

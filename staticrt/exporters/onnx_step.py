@@ -75,10 +75,10 @@ class GraphCache(KVCache):
         min(S, window)."""
         rotating = self.rotating[layer_idx]
         if rotating:
-            seq_len = key.shape[2]
-            dropped = torch.sym_max(seq_len - self.window, 0)  # entries older than the window, gone anyway
+            # entries older than the window, gone anyway: to slice by, and as a device count
+            dropped = torch.sym_max(key.shape[2] - self.window, 0)
+            write_index = write_index + (device_size(key, 2) - self.window).clamp(min=0)
             key, value = key[:, :, dropped:], value[:, :, dropped:]
-            write_index = write_index + dropped
         self.present[layer_idx] = tuple(
             tensor_scatter(buf, new, write_index, rotating, after)
             for buf, new in zip(self.past[layer_idx], self.encode(key, value), strict=True)
@@ -91,10 +91,10 @@ class GraphCache(KVCache):
         inside the window) for the query's position. A query always sees its own column, so a
         hole (whose position means nothing) still has one key and softmax stays finite."""
         mask = self.inputs.attention_mask  # [B, T]
-        total, seq_len = mask.shape[1], positions.shape[1]
+        seq_len = positions.shape[1]
         columns = self.inputs.write_index[:, None] + torch.arange(seq_len, device=mask.device)  # [B, S]
         key_columns = self.key_positions(rotating, columns)  # [B, S, K]
-        index = key_columns.clamp(0, total - 1).flatten(1)  # [B, S*K]
+        index = key_columns.clamp(min=0).minimum(device_size(mask, 1) - 1).flatten(1)  # [B, S*K], inside [0, T)
         real = (key_columns >= 0) & (mask.gather(1, index).view_as(key_columns) > 0)
         key_pos = (torch.cumsum(mask, dim=1) - 1).gather(1, index).view_as(key_columns)
         window = self.attention_window(attention)
@@ -108,6 +108,14 @@ def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:
     (genai's CUDA-graph mode; staticrt's runner, so decode has one shape) leaves zeros after it."""
     columns = torch.arange(1, attention_mask.shape[1] + 1, device=attention_mask.device)
     return (attention_mask * columns).amax(dim=1)
+
+
+def device_size(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """`tensor.shape[dim]` as a 0-d int64 tensor counted on `tensor`'s device, for arithmetic with
+    device values. ONNX Runtime computes a value taken from a shape on the CPU and copies it to
+    the GPU where a device input reads it, and its CUDA graph cannot hold such a copy
+    (tests/onnx_host_values.py finds them). Slicing and ranges take shapes as they are."""
+    return tensor.new_ones(tensor.shape[dim], dtype=torch.int64).sum()  # ONNX: ReduceSum(ConstantOfShape)
 
 
 def graph_cache(layout: KVCache) -> GraphCache:
@@ -137,8 +145,8 @@ class OnnxStep(nn.Module):
         a prefill or decode step needs; a verify step asks for every column. `logits [B, 1, V]` is
         the last of them, a fixed 1 wide: onnxruntime-genai reads a graph whose logits are so as one
         that returns the last column alone, as this one does."""
-        seq_len = input_ids.shape[1]  # input_ids, position_ids [B, S]; attention_mask [B, T]
-        write_index = marked_columns(attention_mask) - seq_len  # [B]
+        # input_ids, position_ids [B, S]; attention_mask [B, T]
+        write_index = marked_columns(attention_mask) - device_size(input_ids, 1)  # [B]
         self.cache.bind(list(past), StepInputs(attention_mask, position_ids, write_index))
         # [B, L, V]; the column pick is ONNX's Gather, which counts a negative index from the end
         indexed = self.model(input_ids, write_index, self.cache, last_only=False, columns=logits_index)
