@@ -75,6 +75,8 @@ def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):
 
     if not has_cuda_device():
         pytest.skip("no CUDA device: ONNX Runtime's CUDA provider and its CUDA graphs run only on a GPU")
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        pytest.skip(f"onnxruntime {onnxruntime.__version__} lacks the CUDA provider (onnxruntime-gpu has it)")
     folder = onnx_artifacts["gemma2", "hybrid"]
     cpu = Generator(OnnxBackend(folder, device="cpu")).generate(prompts(), max_new_tokens=NEW_TOKENS)
     gen = Generator(OnnxBackend(folder, device="cuda"))
@@ -365,6 +367,23 @@ def test_a_backend_the_artifact_lacks_is_named(onnx_artifacts):
         r"re-export with --format aoti$",
     ):
         load_artifact(onnx_artifacts["llama", "static"], backend="aoti")
+
+
+def test_cuda_asked_of_an_onnxruntime_without_its_cuda_provider_names_the_package_to_install(
+    onnx_artifacts, monkeypatch
+):
+    """Seen on a GPU image that shipped onnxruntime (CPU only): ONNX Runtime failed deep in its
+    first allocation ("Can't allocate memory on the CUDA device using this package")."""
+    from staticrt.backends.onnx import OnnxBackend
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(
+        ArtifactError,
+        match=rf"^device 'cuda' asked, but the installed onnxruntime {onnxruntime.__version__} runs only on "
+        r"CPUExecutionProvider: install onnxruntime-gpu in place of onnxruntime \(pip uninstall onnxruntime; "
+        r"pip install onnxruntime-gpu\), or run the artifact on the CPU$",
+    ):
+        OnnxBackend(onnx_artifacts["llama", "static"], device="cuda")
 
 
 def test_onnx_export_refuses_a_window_genai_would_allocate_differently(hf_checkpoints, tmp_path):

@@ -51,6 +51,12 @@ class OnnxBackend(ArtifactBackend):
         device = device or ("cuda" if "CUDAExecutionProvider" in available and has_cuda_device() else "cpu")
         if device not in ("cpu", "cuda"):
             raise ArtifactError(f"device {device!r} is unknown to the onnx backend; use cpu or cuda")
+        if device == "cuda" and "CUDAExecutionProvider" not in available:
+            raise ArtifactError(
+                f"device 'cuda' asked, but the installed onnxruntime {ort.__version__} runs only on "
+                f"{', '.join(available)}: install onnxruntime-gpu in place of onnxruntime (pip uninstall onnxruntime; "
+                "pip install onnxruntime-gpu), or run the artifact on the CPU"
+            )
         # A CUDA graph needs one decode shape; an all-rotating cache's mask grows, so it runs without.
         graphs = device == "cuda" and manifest["cache"]["max_sequence_len"] is not None
         self.session, self.cuda_graphs = session(folder / section["graph"], section, threads, device, graphs, manifest)
