@@ -85,7 +85,7 @@ decode)
     ;;
 offload)
     bench offload-bench-1b-8192 --model bench-1b --dtype bfloat16 --offload --prompt-len 8192 --new-tokens 64 \
-        --backends cudagraph,compiled
+        --backends "${BACKENDS:-cudagraph,compiled}"
     ;;
 onnx)
     if ! "$py" -c "import onnxruntime as o, sys; sys.exit('CUDAExecutionProvider' not in o.get_available_providers())"; then

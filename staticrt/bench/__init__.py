@@ -55,6 +55,7 @@ def run_bench(
             check_writable(models[run.weights], run.gguf)
     probe = StreamProbe(dtype, target)
     copy_bps = copy_bytes_per_s(target) if target.type == "cuda" else None
+    host_bps = copy_bytes_per_s(target, from_host=True) if target.type == "cuda" and request.offload else None
     contenders = warm_up(models, runs, request.new_tokens, on_stage)
     timings, bracket = timed_rounds(contenders, probe, request.repeats, on_stage)
     results = {
@@ -66,6 +67,7 @@ def run_bench(
             timings[run.label],
             [probe.samples[i] for i in sorted(bracket[run.label])],
             copy_bps,
+            host_bps,
         )
         for run in runs
     }
@@ -75,6 +77,7 @@ def run_bench(
         "machine": machine(),
         "matvec_bytes_per_s": statistics.median(probe.samples),  # each backend's own is in its entry
         "copy_bytes_per_s": copy_bps,
+        "host_copy_bytes_per_s": host_bps,
         "weight_bytes_per_step": {q: weight_bytes_per_step(m, request.batch_size) for q, m in models.items()},
         "backends": results,
         "ratios": ratios(results),
@@ -173,6 +176,7 @@ def result(
     timings: list[tuple[float, float]],
     samples: list[float],
     copy_bps: float | None,
+    host_bps: float | None = None,
 ) -> dict[str, Any]:
     """One run's entry: times, tokens, what the backend reports, and the fractions of the bound."""
     prefill_s = statistics.median(p for p, _ in timings)
@@ -208,6 +212,9 @@ def result(
     )
     if copy_bps:  # the CUDA goal's measure: weight + K/V bytes a step reads against a device copy
         res["bandwidth_fraction"] = (weight_bytes + kv_bytes) / step_s / copy_bps
+    if host_bps and res.get("cache_host_bytes"):  # the offload goal: a step against its host-to-device copy
+        res["host_transfer_ms"] = 1000 * res["cache_host_bytes"] / host_bps
+        res["step_over_host_transfer"] = 1000 * step_s / res["host_transfer_ms"]
     return res
 
 

@@ -96,16 +96,19 @@ class StreamProbe:
         return rate
 
 
-def copy_bytes_per_s(device: torch.device, mib: int = 1024, repeats: int = 20) -> float:
+def copy_bytes_per_s(device: torch.device, mib: int = 1024, repeats: int = 20, from_host: bool = False) -> float:
     """A CUDA device's memory bandwidth as a device-to-device copy of `mib` MiB measures it (bytes
-    read plus bytes written a second): the yardstick of the CUDA-graph decode goal."""
-    source = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
+    read plus bytes written a second): the yardstick of the CUDA-graph decode goal. `from_host`:
+    the rate of a copy from pinned host memory (bytes moved a second), which bounds an offloaded
+    cache's step, whose every layer crosses from the host."""
+    size = mib * 2**20
+    target = torch.empty(size, dtype=torch.uint8, device=device)
+    source = torch.empty_like(target, device="cpu", pin_memory=True) if from_host else torch.empty_like(target)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    target.copy_(source)
+    target.copy_(source, non_blocking=True)
     start.record()
     for _ in range(repeats):
-        target.copy_(source)
+        target.copy_(source, non_blocking=True)
     end.record()
     end.synchronize()
-    return 2 * source.numel() * repeats / (start.elapsed_time(end) / 1000)
+    return (1 if from_host else 2) * size * repeats / (start.elapsed_time(end) / 1000)

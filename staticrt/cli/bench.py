@@ -96,6 +96,18 @@ def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
         f"weights read per decode step (MB): {weights}; matrix-vector streaming rate (GB/s): {rates}",
         soft_wrap=True,
     )
+    moved = {name: r for name, r in report["backends"].items() if "host_transfer_ms" in r}
+    if moved:
+        steps = ", ".join(
+            f"{name} {r['decode_ms_per_token']:.2f} ms = {r['step_over_host_transfer']:.2f}x "
+            f"its {r['host_transfer_ms']:.2f} ms"
+            for name, r in moved.items()
+        )
+        console.print(
+            f"pinned host-to-device copy {report['host_copy_bytes_per_s'] / 1e9:.1f} GB/s; an offloaded step against "
+            f"copying its cache from the host: {steps}",
+            soft_wrap=True,
+        )
     for key, value in report["ratios"].items():
         console.print(f"{key}: {value:.2f}x")
 
