@@ -102,6 +102,9 @@ placement)
 serve)
     "$py" -m staticrt.cli bench-serve --model bench-llama --backend cudagraph --device cuda --requests 192 \
         --stream-interval 16 --json "$out/serve-bench-llama-cudagraph-$gpu.json" 2>&1 | tee "$out/serve.log"
+    status=${PIPESTATUS[0]}
+    [ "$status" = 0 ] || cp "${TMPDIR:-/tmp}"/staticrt-serve-*.log "$out"/ 2>/dev/null  # a server that died: its whole log
+    exit "$status"
     ;;
 *)
     echo "$usage" >&2

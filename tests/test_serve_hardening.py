@@ -446,3 +446,22 @@ def test_sigterm_with_requests_past_the_drain_timeout_ends_them_with_503_and_exi
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_server_that_dies_starting_leaves_its_whole_log_named_in_the_error(tmp_path, monkeypatch):
+    """bench-serve's server on a GPU died in the compiler: the 2000-character tail held inductor's
+    frames alone, and the line naming the graph it compiled was lost with the temporary log."""
+    import re
+    import sys
+
+    from staticrt.bench.serve_bench import server_process
+    from staticrt.errors import GenerationError
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    dies = [sys.executable, "-c", "print('compiling the prefill64_greedy step graph'); print('x' * 3000); exit(3)"]
+    with pytest.raises(GenerationError, match=r"exited with 3 \(its whole log: (\S+)\):\n") as raised:
+        with server_process(dies, 1, {}, timeout_s=30):
+            pass
+    kept = re.search(r"its whole log: (\S+)\)", str(raised.value)).group(1)
+    assert kept.startswith(str(tmp_path))
+    assert open(kept).read().startswith("compiling the prefill64_greedy step graph\n")

@@ -112,20 +112,24 @@ def _free_port() -> int:
 def server_process(
     command: list[str], port: int, env: dict[str, str], timeout_s: float, health: str = "/health"
 ) -> Iterator[str]:
-    """`command` (a server listening on `port`) running until left; yields its URL once `health` answers."""
+    """`command` (a server listening on `port`) running until left; yields its URL once `health` answers.
+    Where it fails to come up, its whole log is kept (the error names the file): a compiler's
+    traceback is longer than any tail, and the line naming the graph it was building comes first."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile(mode="w+")
+    log = tempfile.NamedTemporaryFile(mode="w+", prefix="staticrt-serve-", suffix=".log", delete=False)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    failed = False
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if process.poll() is not None or time.monotonic() > deadline:
+                failed = True
                 log.seek(0)
                 tail = log.read()[-2000:]
                 why = f"exited with {process.returncode}" if process.poll() is not None else f"not up in {timeout_s} s"
-                raise GenerationError(f"{' '.join(command[:4])} ... {why}:\n{tail}")
+                raise GenerationError(f"{' '.join(command[:4])} ... {why} (its whole log: {log.name}):\n{tail}")
             try:
                 if httpx.get(f"{url}{health}", timeout=2).status_code == 200:
                     break
@@ -140,6 +144,8 @@ def server_process(
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+        if not failed:
+            os.unlink(log.name)
 
 
 def measure_server(
