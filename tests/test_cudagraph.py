@@ -169,6 +169,9 @@ def test_cudagraph_verify_steps_give_the_eager_tokens_and_allocate_nothing_after
     torch.cuda.synchronize()  # the second prompt ran in the graphs the first one captured
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated
     assert {key[1] for key in gen.backend.captured} == {"greedy", "verify"}
+    held = [buffer.clone() for buffer in gen.backend.cache.state_buffers()]  # what a later turn would continue
+    assert gen.backend.report()["graph_gpu_ms"] > 0  # bench's timed replays of the decode graph
+    assert all(torch.equal(a, b) for a, b in zip(held, gen.backend.cache.state_buffers(), strict=True))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)

@@ -175,11 +175,16 @@ class CudaGraphBackend(CompiledBackend):
         self.decode_from, self.ahead, self.decodes = None, None, 0
 
     def report(self) -> dict[str, Any]:
-        """Also, on CUDA, the GPU time of one replay of the greedy decode graph (`graph_gpu_ms`)."""
+        """Also, on CUDA, the GPU time of one replay of the greedy decode graph (`graph_gpu_ms`).
+        The timed replays write a column of every row; the cache is put back as it was, since a
+        later generation may continue those rows (`reuse_prefix`)."""
         report = super().report()
         decode = self.captured.get((1, "greedy", False))
         if decode is not None and self.decode_from is not None:
+            held = [buffer.clone() for buffer in self.cache.state_buffers()]
             report["graph_gpu_ms"] = 1000 * replay_gpu_s(decode, self.decode_from)
+            for buffer, value in zip(self.cache.state_buffers(), held, strict=True):
+                buffer.copy_(value)
             decode.expected, self.ahead = None, None  # the replays left other inputs in its buffers
         return report
 
