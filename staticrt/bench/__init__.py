@@ -81,22 +81,24 @@ def run_bench(
         "weight_bytes_per_step": {q: weight_bytes_per_step(m, request.batch_size) for q, m in models.items()},
         "backends": results,
         "ratios": ratios(results),
-        # every run of the same prompts and float weights must choose the same tokens (the
-        # static-at-window runs differ; quantized weights change the logits, and their kernels
-        # round differently from their eager form, and an int8 cache changes them too, so their
-        # tokens are reported, not compared)
-        "tokens_agree": len(
-            {
-                json.dumps(r["tokens"])
-                for r in results.values()
-                if r["prompt_len"] == request.prompt_len
-                and r["quantize"] == "none"
-                and "gguf" not in r
-                and r["cache"] not in ("static-int8", QUANTO_CACHE)
-            }
-        )
-        < 2,
+        "tokens_agree": tokens_agree(results, request.prompt_len),
     }
+
+
+def tokens_agree(results: dict[str, Any], prompt_len: int) -> bool:
+    """Whether every run of the same prompts and float weights chose the same tokens (the
+    static-at-window runs differ; quantized weights change the logits, and their kernels round
+    differently from their eager form, and an int8 cache changes them too, so their tokens are
+    reported, not compared)."""
+    compared = {
+        json.dumps(r["tokens"])
+        for r in results.values()
+        if r["prompt_len"] == prompt_len
+        and r["quantize"] == "none"
+        and "gguf" not in r
+        and r["cache"] not in ("static-int8", QUANTO_CACHE)
+    }
+    return len(compared) < 2
 
 
 def load_variants(request: BenchRequest, variants: set[str], dtype: torch.dtype, device: str) -> dict[str, Decoder]:
