@@ -143,6 +143,8 @@ def test_the_torch_formats_bench_exports_the_model_as_loaded_and_runs_its_tokens
     for suffix in ("", "-int8-a8"):
         assert runs[f"aoti{suffix}"]["tokens"] == runs[f"pt2{suffix}"]["tokens"] == runs[f"eager{suffix}"]["tokens"]
     assert runs["aoti-int8-a8"]["weight_bytes_per_step"] < runs["aoti"]["weight_bytes_per_step"] / 3
+    kernel = f"staticrt::int8_linear ({a8_kernels.isa()}; int8 weights x int8 activations, float32 out)"
+    assert runs["aoti-int8-a8"]["kernel"] == runs["eager-int8-a8"]["kernel"] == kernel and "kernel" not in runs["aoti"]
 
 
 def test_onnx_cannot_join_the_offload_bench():

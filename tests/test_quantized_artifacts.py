@@ -95,6 +95,7 @@ def test_bench_times_the_graph_quantized_from_the_float_weights():
     assert int8["quantize"] == "int8" and len(int8["tokens"][0]) == 4
     # int8 blocks of 64 with a float32 scale and a uint8 zero point each: 69 bytes for 256 in float32
     assert int8["weight_bytes_per_step"] < report["weight_bytes_per_step"]["none"] / 3
+    assert int8["kernel"] == "ONNX Runtime com.microsoft.MatMulNBits (accuracy_level 4: int8 activations)"
 
 
 def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torchao(tmp_path):

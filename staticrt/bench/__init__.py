@@ -20,13 +20,14 @@ import torch
 
 from ..dtypes import resolve_dtype
 from ..errors import BenchError
+from ..exporters.onnx_quantize import ACCURACY_LEVEL
 from ..loading.checkpoint import checked_device, load_config, load_model
 from ..models.decoder import Decoder
-from ..models.quantize import QUANTIZED_DTYPES
+from ..models.quantize import QUANTIZED_DTYPES, kernel_name
 from .contenders import Contender, staticrt_contender
 from .gguf_write import check_writable, write_gguf
 from .machine import machine
-from .plan import GGUF_TYPES, QUANTO_CACHE, BenchRequest, Run, bench_prompts, plan_runs
+from .plan import GGUF_TYPES, GRAPH_QUANTIZED, QUANTO_CACHE, BenchRequest, Run, bench_prompts, plan_runs
 from .probes import StreamProbe, copy_bytes_per_s, kv_bytes_per_step, weight_bytes_per_step
 
 Stage = Callable[[str], None]
@@ -201,6 +202,8 @@ def result(
     if run.cache == QUANTO_CACHE:  # it dequantizes all it holds every step
         kv_bytes = res["cache_device_bytes"]
     stream_bps = statistics.median(samples)
+    if run.quantize != "none" or run.gguf:
+        res["kernel"] = quantized_kernel(run, model)
     res.update(
         cache=run.cache,
         quantize=run.quantize,
@@ -218,6 +221,16 @@ def result(
         res["host_transfer_ms"] = 1000 * res["cache_host_bytes"] / host_bps
         res["step_over_host_transfer"] = 1000 * step_s / res["host_transfer_ms"]
     return res
+
+
+def quantized_kernel(run: Run, model: Decoder) -> str:
+    """What multiplies a quantized run's weights: llama.cpp's own, ONNX Runtime's MatMulNBits (its
+    graph quantizes itself, onnx_quantize.py), or the torch kernel of the model's spec."""
+    if run.gguf:
+        return f"llama.cpp's {run.label.removeprefix('llamacpp-')} dot products (ggml, built here for this CPU)"
+    if run.backend in GRAPH_QUANTIZED:
+        return f"ONNX Runtime com.microsoft.MatMulNBits (accuracy_level {ACCURACY_LEVEL}: int8 activations)"
+    return kernel_name(model.quantization, model.embed_tokens.weight.device)
 
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:

@@ -96,6 +96,9 @@ def _show(args: argparse.Namespace, report: dict[str, Any]) -> None:
         f"weights read per decode step (MB): {weights}; matrix-vector streaming rate (GB/s): {rates}",
         soft_wrap=True,
     )
+    for name, r in report["backends"].items():
+        if "kernel" in r:
+            console.print(f"{name} multiplies its weights with {r['kernel']}", soft_wrap=True)
     moved = {name: r for name, r in report["backends"].items() if "host_transfer_ms" in r}
     if moved:
         steps = ", ".join(

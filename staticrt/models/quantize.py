@@ -75,6 +75,20 @@ def quiet_imports() -> Iterator[None]:
         pytree_log.setLevel(level)
 
 
+def kernel_name(spec: QuantSpec, device: torch.device) -> str:
+    """The matmul kernel a decode step of weights quantized by `spec` runs on `device` (what the
+    bench reports beside each quantized run's speed); the head's int8 kernel is the same family."""
+    if spec.activations:
+        from .a8_kernels import isa
+
+        return f"staticrt::int{spec.bits}_linear ({isa()}; int{spec.bits} weights x int8 activations, float32 out)"
+    if spec.bits == 8:
+        return "torch._weight_int8pack_mm (torchao Int8WeightOnly; bfloat16 activations)"
+    if device.type == "cpu":
+        return f"torch._weight_int4pack_mm_for_cpu (torchao int4, group {spec.group_size}; bfloat16 activations)"
+    return f"tinygemm int4 (torchao, tile_packed_to_4d, group {spec.group_size})"
+
+
 def _torchao_config(spec: QuantSpec, device: torch.device) -> object:
     """torchao's config for `spec` on `device`."""
     try:
