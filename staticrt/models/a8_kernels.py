@@ -6,8 +6,8 @@ and a minimum a block of 32 (`int4_linear`, llama.cpp's Q4_1 numbers in a layout
 
 torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what torchao
 runs) take bfloat16 activations and multiply in floats; these multiply integers. SmolLM2-135M,
-compiled, 2 threads, one `staticrt bench` run: int8-a8 decode 5.55 ms/token against torchao int8's
-6.76 and llama.cpp Q8_0's 5.56 (docs/measurements.md). Blocks of 32 keep its perplexity within
+2 threads, one `staticrt bench` run: int8-a8 decode 3.75 ms/token compiled, 3.41 AOTInductor, against
+llama.cpp Q8_0's 6.05; int4-a8 3.25 / 3.15 against Q4_1's 6.18 (docs/measurements.md). Blocks of 32 keep its perplexity within
 0.2-0.6% of float; blocks of 64 cost 0.85% on 512 tokens, one scale a token 1.5%.
 
 A worked example, for row m and channel n: x[m, 32b : 32b+32] has absmax a, so xq = round(x * 127
