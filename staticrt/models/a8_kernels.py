@@ -6,9 +6,10 @@ and a minimum a block of 32 (`int4_linear`, llama.cpp's Q4_1 numbers in a layout
 
 torch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, what torchao
 runs) take bfloat16 activations and multiply in floats; these multiply integers. SmolLM2-135M,
-2 threads, one `staticrt bench` run: int8-a8 decode 3.75 ms/token compiled, 3.41 AOTInductor, against
-llama.cpp Q8_0's 6.05; int4-a8 3.25 / 3.15 against Q4_1's 6.18 (docs/measurements.md). Blocks of 32 keep its perplexity within
-0.2-0.6% of float; blocks of 64 cost 0.85% on 512 tokens, one scale a token 1.5%.
+2 threads, one `staticrt bench` run: int8-a8 decode 3.75 ms/token compiled, 3.41 AOTInductor,
+against llama.cpp Q8_0's 6.05; int4-a8 3.25 / 3.15 against Q4_1's 6.18 (docs/measurements.md).
+Blocks of 32 keep its perplexity within 0.2-0.6% of float; blocks of 64 cost 0.85% on 512 tokens,
+one scale a token 1.5%.
 
 A worked example, for row m and channel n: x[m, 32b : 32b+32] has absmax a, so xq = round(x * 127
 / a) in -127..127 and s_b = a / 127. int8: the byte products take |xq| (unsigned) against w with
@@ -46,11 +47,9 @@ SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
 
-// Bytes ahead of each weight load to prefetch: a thread streams its channels' weights in order, and
-// asking 8 KB ahead keeps enough cache-line misses in flight to stream from DRAM at 34-37 GB/s on 2
-// cores where the hardware prefetcher alone reached 25-29 (an AMD EPYC; docs/measurements.md). A
-// prefetch past the end of a tensor is a hint, never a fault.
-static constexpr int64_t AHEAD = 8192;
+// Each weight load first asks for the bytes 8 KB ahead: enough misses in flight to stream from DRAM at
+// 34-37 GB/s on 2 EPYC cores, not 25-29 (docs/measurements.md); a prefetch is a hint, never a fault.
+template <class T> inline const T* fetched(const T* p) { _mm_prefetch((const char*)p + 8192, _MM_HINT_T0); return p; }
 
 // x [M, K] float32 -> int8 codes [M, K] and, a block of 32, scales xs [M, B] and code sums times
 // scale [M, B] (what int4's minimums multiply)
@@ -103,9 +102,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
         const __m512i magnitude = _mm512_abs_epi8(xv);
         const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(xsr[2 * c]), _mm256_set1_ps(xsr[2 * c + 1]), 1);
         for (int j = 0; j < rows; ++j) {
-          const int8_t* row = wp + (n0 + j) * K + c * 64;
-          _mm_prefetch((const char*)row + AHEAD, _MM_HINT_T0);
-          __m512i wv = _mm512_loadu_si512(row);
+          __m512i wv = _mm512_loadu_si512(fetched(wp + (n0 + j) * K + c * 64));
           wv = _mm512_mask_sub_epi8(wv, negative, zero, wv);
           acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, magnitude, wv)), scale, acc[j]);
         }
@@ -119,9 +116,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
         const __m256i magnitude = _mm256_sign_epi8(xv, xv);
         const __m256 scale = _mm256_set1_ps(xsr[b]);
         for (int j = 0; j < rows; ++j) {
-          const int8_t* row = wp + (n0 + j) * K + b * 32;
-          _mm_prefetch((const char*)row + AHEAD, _MM_HINT_T0);
-          const __m256i wv = _mm256_loadu_si256((const __m256i*)row);
+          const __m256i wv = _mm256_loadu_si256((const __m256i*)fetched(wp + (n0 + j) * K + b * 32));
           const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv, xv));
           acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[j]);
         }
@@ -173,9 +168,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm
         const __m512i xv = _mm512_loadu_si512(xr + c * 64);
         const __m128 ss = _mm_loadu_ps(sr + c * 4);
         for (int j = 0; j < rows; ++j) {
-          const uint8_t* row = wp + (n0 + j) * (K / 2) + c * 32;
-          _mm_prefetch((const char*)row + AHEAD, _MM_HINT_T0);
-          const __m256i packed = _mm256_loadu_si256((const __m256i*)row);
+          const __m256i packed = _mm256_loadu_si256((const __m256i*)fetched(wp + (n0 + j) * (K / 2) + c * 32));
           const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(15));
           const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(15));
           const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
@@ -199,9 +192,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm
         const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c * 64 + 32));
         const __m128 ss = _mm_loadu_ps(sr + c * 4);
         for (int j = 0; j < rows; ++j) {
-          const uint8_t* row = wp + (n0 + j) * (K / 2) + c * 32;
-          _mm_prefetch((const char*)row + AHEAD, _MM_HINT_T0);
-          const __m256i packed = _mm256_loadu_si256((const __m256i*)row);
+          const __m256i packed = _mm256_loadu_si256((const __m256i*)fetched(wp + (n0 + j) * (K / 2) + c * 32));
           const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(15));
           const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(15));
           const __m128i halves = _mm_loadl_epi64((const __m128i*)(dmp + (n0 + j) * (K / 16) + c * 4));
