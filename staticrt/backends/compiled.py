@@ -137,30 +137,26 @@ class CompiledBackend(EagerBackend):
         todo = self._unbuilt_keys(widths, choice, continuing, fresh)
         if not todo:
             return 0.0
-        saved = [buf.clone() for buf in self.cache.state_buffers()] if self.live else None
         count = builds.current(len(todo))
-        for key in todo:
-            width, _, starts = key
-            name, began, stored = graph_name(*key), time.perf_counter(), self.stored(key)
-            log.info(
-                "%s the %s step graph, %s (first use; later generations reuse it%s) ...",
-                *("loading" if stored else "compiling", name, count.number, count.left),
-            )
-            write_index = np.full(batch, 0 if starts or width == 1 else 1, dtype=np.int64)
-            ones = np.ones(batch, dtype=np.int64)
-            uniforms = np.zeros((batch, width, 2) if verify else batch, dtype=np.float32) if do_sample else None
-            inputs = np.zeros((batch, width), dtype=np.int64)
-            self.run(choice, inputs, write_index, ones, SamplingParams(do_sample), uniforms)
-            self._built.add(key)
-            spent += time.perf_counter() - began
-            count.finished(time.perf_counter() - began)
-            folder = self.store.loaded.get(key) if self.store else None
-            done = f"loaded from the compile cache, {folder}," if folder else "compiled"
-            log.info("%s the %s step graph in %.1f s", done, name, time.perf_counter() - began)
-        if saved is not None:
-            with torch.no_grad():
-                for buf, kept in zip(self.cache.state_buffers(), saved, strict=True):
-                    buf.copy_(kept)
+        with self.cache.kept() if self.live else nullcontext():  # rows a later step continues
+            for key in todo:
+                width, _, starts = key
+                name, began, stored = graph_name(*key), time.perf_counter(), self.stored(key)
+                log.info(
+                    "%s the %s step graph, %s (first use; later generations reuse it%s) ...",
+                    *("loading" if stored else "compiling", name, count.number, count.left),
+                )
+                write_index = np.full(batch, 0 if starts or width == 1 else 1, dtype=np.int64)
+                ones = np.ones(batch, dtype=np.int64)
+                uniforms = np.zeros((batch, width, 2) if verify else batch, dtype=np.float32) if do_sample else None
+                inputs = np.zeros((batch, width), dtype=np.int64)
+                self.run(choice, inputs, write_index, ones, SamplingParams(do_sample), uniforms)
+                self._built.add(key)
+                spent += time.perf_counter() - began
+                count.finished(time.perf_counter() - began)
+                folder = self.store.loaded.get(key) if self.store else None
+                done = f"loaded from the compile cache, {folder}," if folder else "compiled"
+                log.info("%s the %s step graph in %.1f s", done, name, time.perf_counter() - began)
         return spent
 
     def unbuilt(

@@ -165,7 +165,7 @@ class CudaGraphBackend(CompiledBackend):
             buffer = torch.arange(self.batch_size, device=self.device)
             entry = CapturedGraph(torch.cuda.CUDAGraph(), {"rows": buffer}, None)
             reorder = lambda: self.cache.reorder_cache(buffer)  # noqa: E731
-            warm_and_capture(entry, reorder, self.cache.state_buffers(), self.pool, self.device)
+            warm_and_capture(entry, reorder, self.cache, self.pool, self.device)
             self.reorder_graph = entry
         self.reorder_graph.inputs["rows"].copy_(torch.from_numpy(rows), non_blocking=True)
         self.reorder_graph.graph.replay()
@@ -181,10 +181,8 @@ class CudaGraphBackend(CompiledBackend):
         report = super().report()
         decode = self.captured.get((1, "greedy", False))
         if decode is not None and self.decode_from is not None:
-            held = [buffer.clone() for buffer in self.cache.state_buffers()]
-            report["graph_gpu_ms"] = 1000 * replay_gpu_s(decode, self.decode_from)
-            for buffer, value in zip(self.cache.state_buffers(), held, strict=True):
-                buffer.copy_(value)
+            with self.cache.kept():
+                report["graph_gpu_ms"] = 1000 * replay_gpu_s(decode, self.decode_from)
             decode.expected, self.ahead = None, None  # the replays left other inputs in its buffers
         return report
 
@@ -258,7 +256,7 @@ class CudaGraphBackend(CompiledBackend):
             entry.expected, entry.params = None, None
             self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
 
-        warm_and_capture(entry, run, self.cache.state_buffers(), self.pool, dev, load)
+        warm_and_capture(entry, run, self.cache, self.pool, dev, load)
         return entry
 
 

@@ -4,13 +4,14 @@ capture after a warm-up that leaves the cache as it was, and the GPU time of its
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..caches import KVCache
 from .eager import VERIFY_SAMPLE
 
 
@@ -39,27 +40,25 @@ def uniform_input(choice: str, batch: int, seq_len: int, dev: torch.device) -> t
 def warm_and_capture(
     entry: CapturedGraph,
     run: Callable[[], None],
-    state: Sequence[torch.Tensor],
+    cache: KVCache,
     pool: Any,
     dev: torch.device,
     load: Callable[[], None] | None = None,
 ) -> None:
     """Run `run` twice on a side stream of `dev` (compiling what it calls), capture it into
-    `entry.graph` in memory pool `pool`, and put back the cache `state` buffers the warm-up runs
-    changed; `load` refills the inputs first."""
-    saved = [b.clone() for b in state]
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.no_grad(), torch.cuda.stream(side):
-        for _ in range(2):
-            if load is not None:
-                load()
+    `entry.graph` in memory pool `pool`, and put back the `cache` state the warm-up runs changed;
+    `load` refills the inputs first."""
+    with cache.kept():
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(2):
+                if load is not None:
+                    load()
+                run()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        with torch.no_grad(), torch.cuda.graph(entry.graph, pool=pool):
             run()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    with torch.no_grad(), torch.cuda.graph(entry.graph, pool=pool):
-        run()
-    for buffer, value in zip(state, saved, strict=True):
-        buffer.copy_(value)
     if load is not None:
         load()
 

@@ -18,7 +18,8 @@ its `view` (view.py), which also says why a step writes before or after it reads
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -230,6 +231,16 @@ class KVCache(nn.Module, ABC):
     def state_buffers(self) -> list[torch.Tensor]:
         """Every buffer the cache holds: K/V storage (and working buffers, where there are any) and the lengths."""
         return list(self.buffers())
+
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        """Run the block, then put every state buffer back as it was, in place (addresses stay valid
+        for captured graphs): for steps run only for what they build, a warm-up, a capture, a timing."""
+        held = [buf.clone() for buf in self.state_buffers()]
+        yield
+        with torch.no_grad():
+            for buf, value in zip(self.state_buffers(), held, strict=True):
+                buf.copy_(value)
 
     def reset(self) -> None:
         """Zero the state in place; addresses stay valid for captured graphs."""
