@@ -23,6 +23,7 @@ import torch
 from ..errors import GenerationError
 from ..generation import builds
 from ..generation.loop import SamplingParams
+from ..models.quant_spec import torchao_weights
 from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice, verifies
 from .freezing import FREEZE_MIN_HIDDEN, frozen_decode_weights
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
@@ -261,9 +262,7 @@ class CompiledBackend(EagerBackend):
         travel as plain constants; staticrt's int8-a8/int4-a8 codes do), for a small model, or
         with the cache turned off."""
         small = self.model.config.hidden_size < FREEZE_MIN_HIDDEN  # compiles in seconds, faster in process
-        quantized = self.model.quantization
-        torchao = quantized is not None and not quantized.activations
-        if self.store is None or self.device.type != "cpu" or torchao or small:
+        if self.store is None or self.device.type != "cpu" or torchao_weights(self.model.quantization) or small:
             return None
         width, choice, _ = key
         freezing = frozen_decode_weights if self.freezes(width, choice) else None

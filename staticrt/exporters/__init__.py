@@ -19,7 +19,7 @@ from ..caches.quantized import Int8KV
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
 from ..models.decoder import Decoder
-from ..models.quant_spec import A8_CHOICES, QuantSpec
+from ..models.quant_spec import A8_CHOICES, QuantSpec, torchao_weights
 
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
 INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))
@@ -64,8 +64,7 @@ def export_artifact(
             from ..models.quantize import plain_tensors
             from .torch_export import StepProgram, write_torch
 
-            torchao = model.quantization is not None and not model.quantization.activations
-            step = StepProgram(plain_tensors(model) if torchao else model, cache).eval()
+            step = StepProgram(plain_tensors(model) if torchao_weights(model.quantization) else model, cache).eval()
             manifest |= write_torch(folder, step, buckets, torch_formats, timed)
         if "onnx" in formats:
             from .onnx_export import write_onnx

@@ -30,6 +30,12 @@ class QuantSpec:
         return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
 
 
+def torchao_weights(spec: QuantSpec | None) -> bool:
+    """Whether weights quantized by `spec` are torchao's tensor subclasses (every spec but the
+    int8-activation ones, whose codes are plain tensors for staticrt's kernels)."""
+    return spec is not None and not spec.activations
+
+
 def parse_quantize(value: str | None) -> QuantSpec | None:
     """`--quantize` / `quantize=` -> spec; None or "none" is no quantization. "int4" is group 32,
     the finest group torch's int4 kernels take (the most accurate, at the same speed)."""
