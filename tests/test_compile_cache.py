@@ -3,7 +3,7 @@ later backend and process instead of compiled; a corrupt, mismatched or stale en
 never run; two processes filling one entry at once; `staticrt cache list|clear`.
 
 The model is a transformers Llama of hidden 256 (saved with save_pretrained, the oracle's tokens):
-the smallest size the store serves (`FREEZE_MIN_HIDDEN`), with a frozen, packed decode graph."""
+the smallest size the store serves (`FREEZE_MIN_HIDDEN`), with a decode graph over packed weights."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from hf_models import hf_greedy, save_hf_model
 
 import staticrt
 from staticrt import GenerationError
+from staticrt.backends.eager import VERIFY
 from staticrt.backends.freezing import FREEZE_MIN_HIDDEN
 from staticrt.models import a8_kernels
 
@@ -75,6 +76,11 @@ def stored(llama_256, tmp_path_factory):
     return root / "graphs", tokens, said
 
 
+def graph_entries(kept: list[Path]) -> dict[tuple, Path]:
+    """Each stored entry by the graph it holds: (tokens a row, choice, starts fresh)."""
+    return {tuple(json.loads((e / "entry.json").read_text())["fields"]["graph"]): e for e in kept}
+
+
 def from_stored(stored) -> list[Path]:
     shutil.copytree(stored[0], Path(os.environ["STATICRT_CACHE"]) / "graphs")
     return entries()
@@ -91,10 +97,11 @@ def test_a_new_backend_loads_the_stored_graphs_and_gives_transformers_tokens(lla
     kept = from_stored(stored)
     model = staticrt.load_model(folder)
     assert len(kept) == 2 and all((e / "step.so").is_file() and (e / "entry.json").is_file() for e in kept)
-    # the decode library holds the packed weights, the prefill one reads the model's own
-    prefill, decode = sorted(kept, key=lambda e: (e / "step.so").stat().st_size)
+    # no library holds weights (one that did would be copied into memory at load: the weights
+    # twice): both read the packed twin's
+    prefill, decode = graph_entries(kept)[(16, "pick", True)], graph_entries(kept)[(1, "pick", False)]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert (prefill / "step.so").stat().st_size < weights < (decode / "step.so").stat().st_size
+    assert all((e / "step.so").stat().st_size < weights / 2 for e in kept)
 
     tokens, said = compiled_run(model)
     assert tokens == expected
@@ -107,11 +114,31 @@ def test_a_new_backend_loads_the_stored_graphs_and_gives_transformers_tokens(lla
     assert entries() == kept  # nothing new written
 
 
+def test_every_packed_graph_reads_one_packed_copy_of_the_weights(llama_256):
+    """The decode, verify and prefill graphs trace over one packed twin of the model (packed_linear.py):
+    its linear layers read oneDNN's packed copies, everything else is the model's own tensors;
+    weights replaced since make a new twin of the new ones."""
+    model = staticrt.load_model(llama_256[0])
+    backend = staticrt.Generator(model, max_batch_size=1, max_cache_len=64, backend="compiled").backend
+    keys = ((1, "pick", False), (5, VERIFY, False), (16, "pick", True))
+    decode, verify, prefill = (backend._stored_graph(key).model for key in keys)
+    assert decode is verify is prefill is not model
+    packed = decode.layers[0].mlp.down_proj.weight
+    assert packed.is_mkldnn and torch.equal(packed.to_dense(), model.layers[0].mlp.down_proj.weight)
+    assert decode.embed_tokens.weight is model.embed_tokens.weight and decode.norm is not model.norm
+    assert decode.norm.weight is model.norm.weight and not model.layers[0].mlp.down_proj.weight.is_mkldnn
+
+    layer = model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * -1, requires_grad=False)
+    again = backend._stored_graph(keys[0]).model
+    assert again is not decode and torch.equal(again.layers[0].mlp.down_proj.weight.to_dense(), layer.weight)
+
+
 def test_a_corrupt_or_mismatched_entry_is_compiled_again_with_a_warning(llama_256, stored):
     folder, expected = llama_256
-    decode = max(from_stored(stored), key=lambda e: (e / "step.so").stat().st_size)
+    decode = graph_entries(from_stored(stored))[(1, "pick", False)]
     library = decode / "step.so"
-    with open(library, "r+b") as f:  # one byte flipped in the packed weights, the size kept
+    with open(library, "r+b") as f:  # one byte flipped in the library, the size kept
         f.seek(library.stat().st_size // 2)
         byte = f.read(1)
         f.seek(-1, 1)

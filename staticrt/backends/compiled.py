@@ -23,6 +23,7 @@ import torch
 from ..errors import GenerationError
 from ..generation import builds
 from ..generation.loop import SamplingParams
+from ..models.packed_linear import packing_available
 from ..models.quant_spec import torchao_weights
 from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice, verifies
 from .freezing import FREEZE_MIN_HIDDEN, frozen_decode_weights
@@ -190,14 +191,15 @@ class CompiledBackend(EagerBackend):
         return [key for key in dict.fromkeys(keys) if key not in self._built]
 
     def freezes(self, seq_len: int, choice: str = "pick") -> bool:
-        """Whether a graph of width `seq_len` compiles with frozen, oneDNN-packed weights
-        (`frozen_decode_weights`): a CPU decode or verify graph whose matrices are large enough to
-        repay oneDNN's ~20 µs a call (hidden size `FREEZE_MIN_HIDDEN` and up). A verify step's few
-        rows a row read the packed weights once, at about a decode step's time (SmolLM2, 5 wide: 29
-        against 30 ms; unpacked 78 ms), and hold a second packed copy (docs/measurements.md).
-        Prefill graphs, whose GEMMs have B*T rows and run at MKL's full speed, keep the weights as
-        inputs; so do quantized weights, whose kernels read them as they are (freezing would fold
-        them back into floats)."""
+        """Whether a graph of width `seq_len` reads oneDNN-packed weights: a CPU decode or verify
+        graph whose matrices are large enough to repay oneDNN's ~20 µs a call (hidden size
+        `FREEZE_MIN_HIDDEN` and up). A verify step's few rows a row read the packed weights once, at
+        about a decode step's time (SmolLM2, 5 wide: 29 against 30 ms; unpacked 78 ms). Such a
+        graph compiled in the process freezes its weights and packs its own copy; a stored graph,
+        any width, reads the packed twin's copy instead, one for all (`_stored_graph`).
+        Prefill graphs compiled in the process keep the weights as inputs (each frozen graph would
+        hold a packed copy); so do quantized weights, whose kernels read them as they are
+        (freezing would fold them back into floats)."""
         return (
             (seq_len == 1 or verifies(choice))
             and self.device.type == "cpu"
@@ -260,13 +262,15 @@ class CompiledBackend(EagerBackend):
         """The graph `key` as the compile cache builds and keys it; None where graphs compile in
         the process: on CUDA (CUDA graphs capture them), for torchao's weights (its tensors do not
         travel as plain constants; staticrt's int8-a8/int4-a8 codes do), for a small model, or
-        with the cache turned off."""
+        with the cache turned off. A float model's graphs, prefill as decode, read the packed
+        twin's weights (packed_linear.py): SmolLM2 decodes 1.5x and prefills 200 tokens 2x faster
+        than frozen decode and unpacked prefill graphs did (docs/measurements.md)."""
         small = self.model.config.hidden_size < FREEZE_MIN_HIDDEN  # compiles in seconds, faster in process
         if self.store is None or self.device.type != "cpu" or torchao_weights(self.model.quantization) or small:
             return None
         width, choice, _ = key
-        freezing = frozen_decode_weights if self.freezes(width, choice) else None
-        return self.store.graph(key, freezing, self.layers_once(width, choice))
+        packed = self.model.quantization is None and packing_available(self.model.embed_tokens.weight.dtype)
+        return self.store.graph(key, packed, self.layers_once(width, choice))
 
     def stored(self, key: tuple[int, str, bool]) -> bool:
         """Whether the graph `key` is loaded from the compile cache rather than compiled."""

@@ -1,22 +1,22 @@
 """Compiled step graphs kept across processes: a graph inductor's own cache cannot hold, compiled
 once with AOTInductor and stored in the user's cache (artifacts/user_cache.py), `graphs/<key>/`.
 
-A CPU decode graph freezes its weights and prepacks them for oneDNN (compiled.py's
-`frozen_decode_weights`). Packed constants do not pickle, so inductor's FX cache never holds that
-graph and every process compiled it again: 40 s of a 55 s SmolLM2 start. Here the same step
-(`run_step`, the same freezing) goes through torch.export and AOTInductor into a package whose
-packed weights sit in a file beside the code; a later process loads it in a fraction of a second
-and hands it the live cache's buffers as user-managed constants (no copy), so the other graphs
-and this one write and read the same K/V, as an artifact's programs do (exported.py).
+A CPU decode or verify graph reads its weights packed for oneDNN (models/packed_linear.py): a
+packed constant does not pickle, so inductor's FX cache never holds such a graph and every
+process compiled it again: 40 s of a 55 s SmolLM2 start. Here the same step (`run_step`) goes
+through torch.export and AOTInductor into a library without weights; a later process loads it in
+a fraction of a second and hands it the live model's tensors (a packed graph: the packed twin's,
+one copy for every graph) and the cache's buffers as user-managed constants (no copy), so the
+other graphs and this one write and read the same K/V, as an artifact's programs do (exported.py).
 
 The key hashes everything the graph depends on (`graph_fields`): the weights' bytes, the config,
 dtype, cache kind and shape, the graph's width and choice, threads, torch and staticrt's source,
 the CPU's vector ISA. An entry is a folder written atomically (artifacts/write.py) holding
-step.so (the library: code and packed weights), step.json where the graph calls staticrt's own
-kernels (int8-a8, int4-a8: the calls AOTInductor's runner makes through its proxy executor, read
-from the file beside the library) and entry.json (the fields and the files' CRCs); an entry that
-does not match or does not load is rebuilt with a warning, never run. Two processes filling one entry each build,
-and each rename puts a whole folder in place.
+step.so (the library: code only), step.json where the graph calls staticrt's own kernels
+(int8-a8, int4-a8: the calls AOTInductor's runner makes through its proxy executor, read from the
+file beside the library) and entry.json (the fields and the files' CRCs); an entry that does not
+match or does not load is rebuilt with a warning, never run. Two processes filling one entry each
+build, and each rename puts a whole folder in place.
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ import time
 import warnings
 import zipfile
 import zlib
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +43,17 @@ from ..artifacts.write import write_folder
 from ..caches import KVCache
 from ..errors import StaticrtError
 from ..models.decoder import Decoder
+from ..models.packed_linear import packed_twin
 from .eager import choice_candidates, run_step, verifies
 
 log = logging.getLogger("staticrt")
 
 Key = tuple[int, str, bool]  # a graph: (tokens a row, choice, starts fresh), as compiled.py keys it
-Freezing = Callable[[], AbstractContextManager]
 LIBRARY, CALLS, ENTRY = "step.so", "step.json", "entry.json"
-# A frozen graph's packed weights are appended to the library, which the runner maps from the
-# entry's file: pages the kernel may share between processes and drop under pressure, no private
-# copy. Other graphs' libraries hold no weights: they read the model's own (`StoredStep`).
-AOTI_OPTIONS = {
-    True: {"aot_inductor.package_constants_in_so": True, "aot_inductor.force_mmap_weights": True},
-    False: {"aot_inductor.package_constants_in_so": False},
-}
+# A library holds no weights: it reads the model's own, or the packed twin's (`StoredStep`). One
+# holding them (`package_constants_in_so`) is mapped from its file and copied into the runner at
+# load, both counted in the process's memory (SmolLM2: 632 MB mapped + 686 MB copied).
+AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False}
 _SOURCE_DIGEST: list[str] = []
 
 
@@ -114,11 +109,11 @@ class StepModule(torch.nn.Module):
     """`run_step` of one graph as a module, so torch.export sees weights and cache buffers as
     named constants (`model.*`, `cache.*`) and the sampling arguments as inputs."""
 
-    def __init__(self, model: Decoder, cache: KVCache, key: Key, freezing: Freezing | None, layers_once: bool) -> None:
+    def __init__(self, model: Decoder, cache: KVCache, key: Key, packed: bool, layers_once: bool) -> None:
         super().__init__()
-        self.model, self.cache = model, cache
+        self.model, self.cache = model, cache  # `model`: the packed twin where `packed`
         self.key, (_, self.choice, self.fresh) = key, key
-        self.freezing, self.frozen, self.layers_once = freezing, freezing is not None, layers_once
+        self.packed, self.layers_once = packed, layers_once
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         return run_step(
@@ -135,7 +130,9 @@ class StepModule(torch.nn.Module):
 
 def live_addresses(step: StepModule) -> list[int]:
     """Where the model's weights and the cache's buffers live: a stored step points at them."""
-    return [t.data_ptr() for t in [*step.parameters(), *step.buffers()]]
+    return [
+        torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.data_ptr() for t in [*step.parameters(), *step.buffers()]
+    ]
 
 
 class StoredStep:
@@ -148,9 +145,7 @@ class StoredStep:
         self._runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
         live = {name: t.detach() for name, t in [*step.named_parameters(), *step.named_buffers()]}
         names = self._runner.get_constant_names_to_original_fqns()  # the library's name -> fqn
-        # A frozen library holds its weights (packed); the K/V are always the live cache's.
-        needed = [fqn for fqn in names.values() if not step.frozen or fqn.startswith("cache.")]
-        missing = [fqn for fqn in needed if fqn not in live]
+        missing = [fqn for fqn in names.values() if fqn not in live]
         if missing:
             raise StaticrtError(f"{library} reads constants {missing[:3]} that this model and cache lack")
         supplied = {name: live[fqn] for name, fqn in names.items() if fqn in live}
@@ -172,26 +167,35 @@ class GraphStore:
         self.model, self.cache = model, cache
         self.root = cache_root() / "graphs"
         self._weights: tuple[list[tuple[int, int]], str] | None = None  # (stamps, digest) of the weights
+        self._twin: tuple[list[tuple[int, int]], Decoder] | None = None  # (stamps, packed twin) of them
         self.loaded: dict[Key, Path] = {}  # graphs this process loaded from an entry rather than compiled
 
     def folder(self, step: StepModule) -> tuple[Path, dict[str, Any]]:
         """Where the graph of `step` is stored, and the fields that key it."""
-        # Weights written in place or replaced since they were hashed are hashed again: a frozen
-        # graph built now packs the new ones and must not be found under the old ones' key.
-        stamps = [(p.data_ptr(), p._version) for p in self.model.parameters()]
+        # Weights written in place or replaced since they were hashed are hashed again: a packed
+        # graph built now reads the new ones and must not be found under the old ones' key.
+        stamps = self._stamps()
         if self._weights is None or self._weights[0] != stamps:
             self._weights = (stamps, weights_digest(self.model))
         fields = graph_fields(self.model, self._weights[1], self.cache, step.key) | {
-            "frozen": step.frozen,
+            "packed": step.packed,
             "layers_once": step.layers_once,
         }
         text = json.dumps(fields, sort_keys=True)
         return self.root / hashlib.sha256(text.encode()).hexdigest()[:24], json.loads(text)  # as entry.json reads
 
-    def graph(self, key: Key, freezing: Freezing | None, layers_once: bool) -> StepModule:
-        """The step of the graph `key` as the store traces it: `freezing` is the context a frozen
-        graph compiles within (freezing.py's `frozen_decode_weights`), None for weights as inputs."""
-        return StepModule(self.model, self.cache, key, freezing, layers_once)
+    def _stamps(self) -> list[tuple[int, int]]:
+        return [(p.data_ptr(), p._version) for p in self.model.parameters()]
+
+    def graph(self, key: Key, packed: bool, layers_once: bool) -> StepModule:
+        """The step of the graph `key` as the store traces it: `packed`, over the model's packed
+        twin (one per set of weights, shared by every packed graph), else over the model."""
+        if not packed:
+            return StepModule(self.model, self.cache, key, False, layers_once)
+        stamps = self._stamps()
+        if self._twin is None or self._twin[0] != stamps:
+            self._twin = (stamps, packed_twin(self.model))
+        return StepModule(self._twin[1], self.cache, key, True, layers_once)
 
     def holds(self, step: StepModule) -> bool:
         return (self.folder(step)[0] / ENTRY).is_file()
@@ -233,12 +237,10 @@ class GraphStore:
             torch.ones(batch),  # top_p [B]
             torch.zeros(batch),  # uniform [B]
         )
-        with torch.no_grad(), warnings.catch_warnings():  # freezing needs grad off; torch's LeafSpec notice
+        with torch.no_grad(), warnings.catch_warnings():  # torch's LeafSpec notice
             warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
             program = torch.export.export(step, inputs, strict=False)
-            with step.freezing() if step.freezing else nullcontext():
-                options = AOTI_OPTIONS[step.frozen]
-                package = aoti_compile_and_package(program, inductor_configs=options, package_path=str(work / "p.pt2"))
+            package = aoti_compile_and_package(program, inductor_configs=AOTI_OPTIONS, package_path=str(work / "p.pt2"))
         with zipfile.ZipFile(package) as archive:  # the library (and its custom-op calls) is the graph
             ((library, calls),) = aoti_libraries(archive)
             for name, kept in ((library, LIBRARY), (calls, CALLS)):
