@@ -3,7 +3,7 @@ later backend and process instead of compiled; a corrupt, mismatched or stale en
 never run; two processes filling one entry at once; `staticrt cache list|clear`.
 
 The model is a transformers Llama of hidden 256 (saved with save_pretrained, the oracle's tokens):
-the smallest size the store serves (`FREEZE_MIN_HIDDEN`), with a decode graph over packed weights."""
+the smallest size the store serves (`PACK_MIN_HIDDEN`), with a decode graph over packed weights."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from hf_models import hf_greedy, save_hf_model
 import staticrt
 from staticrt import GenerationError
 from staticrt.backends.eager import VERIFY
-from staticrt.backends.freezing import FREEZE_MIN_HIDDEN
 from staticrt.models import a8_kernels
+from staticrt.models.packed_linear import PACK_MIN_HIDDEN
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
 NEW = 12
@@ -34,7 +34,7 @@ NEW = 12
 def llama_256(tmp_path_factory):
     pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
     folder = tmp_path_factory.mktemp("llama-256")
-    hf = save_hf_model("llama", folder, hidden_size=FREEZE_MIN_HIDDEN, intermediate_size=512)
+    hf = save_hf_model("llama", folder, hidden_size=PACK_MIN_HIDDEN, intermediate_size=512)
     return folder, [hf_greedy(hf, p, NEW) for p in PROMPTS]
 
 
@@ -132,6 +132,28 @@ def test_every_packed_graph_reads_one_packed_copy_of_the_weights(llama_256):
     layer.weight = torch.nn.Parameter(layer.weight.detach() * -1, requires_grad=False)
     again = backend._stored_graph(keys[0]).model
     assert again is not decode and torch.equal(again.layers[0].mlp.down_proj.weight.to_dense(), layer.weight)
+
+
+@pytest.mark.parametrize("store", ["on", "off"])
+def test_a_model_packed_in_place_holds_its_weights_once_and_gives_transformers_tokens(llama_256, store, monkeypatch):
+    """`load_model(packed=True)` (what a compiled CLI process loads): every linear layer, and the
+    tied head, read packed copies and no float matrix is left; the model is its own twin, and
+    compiled graphs stored or compiled in the process (every one frozen, holding its tensors) and
+    the eager backend give transformers' tokens."""
+    monkeypatch.setenv("STATICRT_COMPILE_CACHE", store)
+    folder, expected = llama_256
+    model = staticrt.load_model(folder, packed=True)
+    assert model.packed and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.layers[0].self_attn.qkv_proj.weight.is_mkldnn and model.lm_head.weight.is_mkldnn
+    assert not model.embed_tokens.weight.is_mkldnn  # the lookup table stays
+    tokens, said = compiled_run(model)
+    assert tokens == expected
+    assert staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(PROMPTS, NEW) == expected
+    if store == "on":
+        assert compiled_run(model)[1][-1].startswith("loaded from the compile cache")
+        assert compiled_run(model)[0] == expected
+        backend = staticrt.Generator(model, max_batch_size=1, max_cache_len=64, backend="compiled").backend
+        assert backend._stored_graph((1, "pick", False)).model is model
 
 
 def test_a_corrupt_or_mismatched_entry_is_compiled_again_with_a_warning(llama_256, stored):

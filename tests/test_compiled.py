@@ -224,12 +224,13 @@ def test_a_decoder_of_hidden_256_and_up_decodes_with_frozen_weights_packed_for_o
     from torch._dynamo.utils import counters
 
     from staticrt.backends import freezing
+    from staticrt.models.packed_linear import PACK_MIN_HIDDEN
     from staticrt.models.presets import PRESETS
 
     config = dataclasses.replace(
         PRESETS["tiny-llama"], hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64
     )
-    assert config.hidden_size >= freezing.FREEZE_MIN_HIDDEN
+    assert config.hidden_size >= PACK_MIN_HIDDEN
     monkeypatch.setitem(PRESETS, "test-256", config)
     monkeypatch.setenv("STATICRT_COMPILE_CACHE", "off")
     model = staticrt.load_model("test-256")

@@ -23,10 +23,10 @@ import torch
 from ..errors import GenerationError
 from ..generation import builds
 from ..generation.loop import SamplingParams
-from ..models.packed_linear import packing_available
+from ..models.packed_linear import PACK_MIN_HIDDEN, address, packs
 from ..models.quant_spec import torchao_weights
 from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice, verifies
-from .freezing import FREEZE_MIN_HIDDEN, frozen_decode_weights
+from .freezing import frozen_decode_weights
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
 
@@ -119,7 +119,7 @@ class CompiledBackend(EagerBackend):
 
     def _weight_stamps(self) -> list[tuple[int, int]]:
         """Where each weight lives and its in-place write count: what a frozen graph is valid for."""
-        return [(p.data_ptr(), p._version) for p in self.model.parameters()]
+        return [(address(p), p._version) for p in self.model.parameters()]
 
     def prepare(
         self,
@@ -190,33 +190,35 @@ class CompiledBackend(EagerBackend):
             keys += [(w, choice, False) for w in widths if w > 1 and (limit is None or w < limit)]
         return [key for key in dict.fromkeys(keys) if key not in self._built]
 
-    def freezes(self, seq_len: int, choice: str = "pick") -> bool:
+    def freezes(self, seq_len: int, choice: str = "pick", in_process: bool = True) -> bool:
         """Whether a graph of width `seq_len` reads oneDNN-packed weights: a CPU decode or verify
         graph whose matrices are large enough to repay oneDNN's ~20 µs a call (hidden size
-        `FREEZE_MIN_HIDDEN` and up). A verify step's few rows a row read the packed weights once, at
+        `PACK_MIN_HIDDEN` and up). A verify step's few rows a row read the packed weights once, at
         about a decode step's time (SmolLM2, 5 wide: 29 against 30 ms; unpacked 78 ms). Such a
         graph compiled in the process freezes its weights and packs its own copy; a stored graph,
         any width, reads the packed twin's copy instead, one for all (`_stored_graph`).
         Prefill graphs compiled in the process keep the weights as inputs (each frozen graph would
-        hold a packed copy); so do quantized weights, whose kernels read them as they are
-        (freezing would fold them back into floats)."""
+        hold a packed copy), unless the model is packed in place (`packed_linear.pack`: any graph
+        of it freezes, holding its tensors, not copies); so do quantized weights, whose kernels
+        read them as they are (freezing would fold them back into floats)."""
         return (
-            (seq_len == 1 or verifies(choice))
+            (seq_len == 1 or verifies(choice) or (in_process and self.model.packed))
             and self.device.type == "cpu"
-            and self.model.config.hidden_size >= FREEZE_MIN_HIDDEN
+            and self.model.config.hidden_size >= PACK_MIN_HIDDEN
             and self.model.quantization is None
         )
 
-    def layers_once(self, seq_len: int, choice: str = "pick") -> bool:
+    def layers_once(self, seq_len: int, choice: str = "pick", in_process: bool = True) -> bool:
         """Whether a graph of width `seq_len` compiles its layer once (`layers_once_options`): a CPU
-        prefill graph of a float model (a frozen verify graph keeps the C++ wrapper, as decode).
+        prefill graph of a float model, unless it freezes (a frozen verify graph keeps the C++
+        wrapper, as decode; inductor's freezing fails inside the region).
         torchao's weights cannot enter the region in torch 2.13, and on CUDA the graphs keep the
         path that CUDA graphs were written for."""
         return (
             seq_len > 1
             and self.device.type == "cpu"
             and self.model.quantization is None
-            and not self.freezes(seq_len, choice)
+            and not self.freezes(seq_len, choice, in_process)
         )
 
     def graph_options(self, seq_len: int, layers_once: bool) -> dict[str, Any]:
@@ -265,12 +267,11 @@ class CompiledBackend(EagerBackend):
         with the cache turned off. A float model's graphs, prefill as decode, read the packed
         twin's weights (packed_linear.py): SmolLM2 decodes 1.5x and prefills 200 tokens 2x faster
         than frozen decode and unpacked prefill graphs did (docs/measurements.md)."""
-        small = self.model.config.hidden_size < FREEZE_MIN_HIDDEN  # compiles in seconds, faster in process
+        small = self.model.config.hidden_size < PACK_MIN_HIDDEN  # compiles in seconds, faster in process
         if self.store is None or self.device.type != "cpu" or torchao_weights(self.model.quantization) or small:
             return None
         width, choice, _ = key
-        packed = self.model.quantization is None and packing_available(self.model.embed_tokens.weight.dtype)
-        return self.store.graph(key, packed, self.layers_once(width, choice))
+        return self.store.graph(key, packs(self.model), self.layers_once(width, choice, False))
 
     def stored(self, key: tuple[int, str, bool]) -> bool:
         """Whether the graph `key` is loaded from the compile cache rather than compiled."""

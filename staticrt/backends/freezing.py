@@ -6,11 +6,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-# Decode step, B=1 / B=8, ms, MKL -> frozen oneDNN (docs/measurements.md): hidden 64: 0.11 -> 0.33 /
-# 0.21 -> 0.32; 128: 0.40 -> 0.52 / 2.0 -> 1.5; 256: 1.9 -> 1.2 / 3.8 -> 1.9; 512 (bench-llama):
-# 10.5 -> 9.4 / 23-30 -> 10.1; 576 (SmolLM2): 36 -> 32 / 85 -> 36.
-FREEZE_MIN_HIDDEN = 256
-
 
 class _OneDnnLinears:
     """torch.ops.mkldnn as inductor's weight-pack pass sees it, saying "pack fp32 for oneDNN"."""

@@ -43,7 +43,7 @@ from ..artifacts.write import write_folder
 from ..caches import KVCache
 from ..errors import StaticrtError
 from ..models.decoder import Decoder
-from ..models.packed_linear import packed_twin
+from ..models.packed_linear import address, pack, packed_bytes
 from .eager import choice_candidates, run_step, verifies
 
 log = logging.getLogger("staticrt")
@@ -73,8 +73,14 @@ def weights_digest(model: Decoder) -> str:
 
     def one(item: tuple[str, torch.Tensor]) -> str:
         name, tensor = item
-        digest = hashlib.sha256(f"{name}:{tensor.dtype}:{list(tensor.shape)}:{list(tensor.stride())};".encode())
-        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        layout = "packed" if tensor.is_mkldnn else list(tensor.stride())
+        digest = hashlib.sha256(f"{name}:{tensor.dtype}:{list(tensor.shape)}:{layout};".encode())
+        tensor = tensor.detach()
+        if tensor.is_mkldnn:
+            digest.update(packed_bytes(tensor))
+        else:  # in memory order (a column-major matrix as its transpose): no copy of a large table
+            order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+            digest.update(tensor.permute(order).contiguous().reshape(-1).view(torch.uint8).numpy().data)
         return digest.hexdigest()
 
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
@@ -130,9 +136,7 @@ class StepModule(torch.nn.Module):
 
 def live_addresses(step: StepModule) -> list[int]:
     """Where the model's weights and the cache's buffers live: a stored step points at them."""
-    return [
-        torch.ops.mkldnn.data_ptr(t) if t.is_mkldnn else t.data_ptr() for t in [*step.parameters(), *step.buffers()]
-    ]
+    return [address(t) for t in [*step.parameters(), *step.buffers()]]
 
 
 class StoredStep:
@@ -185,7 +189,7 @@ class GraphStore:
         return self.root / hashlib.sha256(text.encode()).hexdigest()[:24], json.loads(text)  # as entry.json reads
 
     def _stamps(self) -> list[tuple[int, int]]:
-        return [(p.data_ptr(), p._version) for p in self.model.parameters()]
+        return [(address(p), p._version) for p in self.model.parameters()]
 
     def graph(self, key: Key, packed: bool, layers_once: bool) -> StepModule:
         """The step of the graph `key` as the store traces it: `packed`, over the model's packed
@@ -194,7 +198,7 @@ class GraphStore:
             return StepModule(self.model, self.cache, key, False, layers_once)
         stamps = self._stamps()
         if self._twin is None or self._twin[0] != stamps:
-            self._twin = (stamps, packed_twin(self.model))
+            self._twin = (stamps, pack(self.model, twin=True))  # a model packed in place is its own twin
         return StepModule(self._twin[1], self.cache, key, True, layers_once)
 
     def holds(self, step: StepModule) -> bool:

@@ -58,7 +58,10 @@ def open_source(args: argparse.Namespace) -> Source:
 
     device = model_device(args.device, args.backend)
     folder = local_checkpoint(args.model)  # a .gguf file: the folder it converts into once
-    model = load_model(folder, dtype=args.dtype, device=device, quantize=args.quantize)
+    # A compiled process owns its model: its graphs' packed weights are the only copy (load_model's `packed`).
+    model = load_model(
+        folder, dtype=args.dtype, device=device, quantize=args.quantize, packed=args.backend == "compiled"
+    )
     defaults = GenerationDefaults() if args.model in PRESETS else read_generation_defaults(folder)
     return Source(args.model, model, None, model.tokenizer, defaults)
 

@@ -19,6 +19,7 @@ from ..dtypes import resolve_dtype
 from ..errors import CheckpointError, ConfigError, first_line
 from ..models import gguf_blocks
 from ..models.decoder import Decoder, init_random, use_column_major_weights
+from ..models.packed_linear import pack, packs
 from ..models.presets import PRESETS
 from ..models.quant_spec import QuantSpec, parse_quantize
 from ..models.quantize import quantize_weights, quantized_dtype
@@ -202,6 +203,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     quantize: str | None = None,
+    packed: bool = False,
 ) -> Decoder:
     """A preset name (`tiny-llama`, ...) or a Hugging Face checkpoint folder -> `Decoder` in
     inference mode. The folder's `tokenizer.json`, when present, is loaded as `model.tokenizer`.
@@ -210,6 +212,9 @@ def load_model(
     and head in fewer bytes with torchao; the model then computes in bfloat16 unless `dtype` says
     float16. `dtype` defaults to float32 for a float model. `device`: cpu, cuda or cuda:N. A
     `.gguf` file loads from the folder it converts into once (`staticrt.loading.gguf_folders`).
+    `packed`: a float model whose CPU graphs read its weights packed for oneDNN (`packed_linear.packs`)
+    holds them packed only, the float matrices let go: for a process that owns the model and
+    runs it on the compiled backend alone (it then neither exports, quantizes nor saves).
     """
     device = checked_device(device)
     path_or_preset = local_checkpoint(path_or_preset)
@@ -228,7 +233,7 @@ def load_model(
         model = init_random(Decoder(config), seed=0).to(dtype=dtype, device=device)
         model.tokenizer = None
         model.source = str(path_or_preset)
-        return _ready(model, spec)
+        return _ready(model, spec, packed=packed)
     folder = Path(path_or_preset)
     state, kept = gguf_blocks.split_state(_read_state_dict(_weight_files(folder)))
     # Kept codes are weights too: their exact values stand in until quantize_weights replaces them.
@@ -249,15 +254,20 @@ def load_model(
     model = model.to(device)
     model.tokenizer = load_tokenizer(folder)
     model.source = str(folder)
-    return _ready(model, spec, kept)
+    return _ready(model, spec, kept, packed)
 
 
-def _ready(model: Decoder, spec: QuantSpec | None, kept: dict[str, gguf_blocks.Blocks] | None = None) -> Decoder:
+def _ready(
+    model: Decoder, spec: QuantSpec | None, kept: dict[str, gguf_blocks.Blocks] | None = None, packed: bool = False
+) -> Decoder:
     """Inference mode, quantized weights if asked (with the GGUF codes `kept`, where the folder
-    has them), and on CPU the layout that decodes fastest there."""
+    has them), and on CPU the layout that decodes fastest there: packed in place where asked and
+    the model qualifies, else column-major."""
     model = model.eval().requires_grad_(False)
     if spec is not None:
         quantize_weights(model, spec, kept or {})
+    if packed and packs(model):
+        return pack(model, twin=False)
     if next(model.parameters()).device.type == "cpu":
         use_column_major_weights(model)
     return model

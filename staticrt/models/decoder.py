@@ -211,6 +211,7 @@ class Decoder(nn.Module):
         )
         self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
         self.quantization = None  # a QuantSpec once `quantize.quantize_weights` ran
+        self.packed = False  # linear layers over oneDNN-packed weights once `packed_linear.pack` ran
 
     def forward(
         self,

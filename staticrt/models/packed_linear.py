@@ -6,12 +6,16 @@ runner's memory at load: SmolLM2's 666 MB of packed weights counted twice at a w
 the 517 MB of float weights prefill reads (2.23 GB peak against the eager backend's 0.99 GB). A
 packed twin of the model instead holds each packed matrix as a parameter: a graph traced over it
 calls oneDNN's linear on that parameter, AOTInductor stores the graph without weights, and every
-loaded graph is handed the twin's tensors (graph_store.py), so decode and verify graphs share them.
+loaded graph is handed the twin's tensors (graph_store.py), so all graphs share them. A process
+whose model is its own (the CLI's) packs the model itself (`pack_in_place`): the float matrices
+are let go and the weights are held once.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 
 import torch
 from torch import nn
@@ -24,6 +28,11 @@ from .decoder import Decoder
 # graphs can all read the same copy.
 PACKED_ROWS = 2
 
+# Decode step, B=1 / B=8, ms, MKL -> frozen oneDNN (docs/measurements.md): hidden 64: 0.11 -> 0.33 /
+# 0.21 -> 0.32; 128: 0.40 -> 0.52 / 2.0 -> 1.5; 256: 1.9 -> 1.2 / 3.8 -> 1.9; 512 (bench-llama):
+# 10.5 -> 9.4 / 23-30 -> 10.1; 576 (SmolLM2): 36 -> 32 / 85 -> 36.
+PACK_MIN_HIDDEN = 256
+
 
 def packing_available(dtype: torch.dtype) -> bool:
     """Whether this torch and CPU run oneDNN's linear on packed `dtype` weights (bfloat16 only
@@ -31,6 +40,30 @@ def packing_available(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def packs(model: Decoder) -> bool:
+    """Whether the CPU graphs of `model` read its weights packed: a float model of hidden size
+    `PACK_MIN_HIDDEN` and up on a CPU whose oneDNN computes its dtype (below it oneDNN's ~20 µs a
+    call costs more than packing saves)."""
+    weight = model.embed_tokens.weight
+    return (
+        weight.device.type == "cpu"
+        and model.quantization is None
+        and model.config.hidden_size >= PACK_MIN_HIDDEN
+        and packing_available(weight.dtype)
+    )
+
+
+def address(tensor: torch.Tensor) -> int:
+    """Where a tensor's data lives, packed (an opaque mkldnn tensor has no storage) or not."""
+    return torch.ops.mkldnn.data_ptr(tensor) if tensor.is_mkldnn else tensor.data_ptr()
+
+
+def packed_bytes(tensor: torch.Tensor) -> memoryview:
+    """A packed tensor's bytes as they lie in memory (no copy), to hash."""
+    size = torch.ops.mkldnn._nbytes(tensor)
+    return memoryview((ctypes.c_char * size).from_address(torch.ops.mkldnn.data_ptr(tensor))).cast("B")
 
 
 class PackedLinear(nn.Module):
@@ -49,29 +82,43 @@ class PackedLinear(nn.Module):
         return y if self.parts is None else y.split(list(self.parts.values()), dim=-1)
 
 
-def _twin(module: nn.Module) -> nn.Module:
-    """`module` with each linear layer below it packed; every other tensor is the original's."""
-    twin = copy.copy(module)  # a new __dict__ over the same parameter and buffer dicts
-    twin._modules = {
-        name: (
-            PackedLinear(child.weight, child.bias, getattr(child, "parts", None))
-            if isinstance(child, nn.Linear)
-            else None
-            if child is None
-            else _twin(child)
-        )
-        for name, child in module._modules.items()
-    }
-    return twin
+def _packed(module: nn.Module, twin: bool) -> nn.Module:
+    """`module` with each linear layer below it packed: a twin sharing every other tensor with it
+    (`twin`), or the module itself, each float matrix let go as its packed copy takes its place."""
+    target = copy.copy(module) if twin else module  # a copy: a new __dict__ over the same tensors
+    target._modules = dict(module._modules)
+    for name, child in module._modules.items():
+        if isinstance(child, nn.Linear):
+            target._modules[name] = PackedLinear(child.weight, child.bias, getattr(child, "parts", None))
+        elif child is not None:
+            target._modules[name] = _packed(child, twin)
+    return target
 
 
-def packed_twin(model: Decoder) -> Decoder:
-    """`model` as a CPU graph built over packed weights sees it: its linear layers, and a tied
-    head as a layer of its own, read packed copies; the embedding table, norms and rotary
-    frequencies are the model's own tensors. A float model only (quantized weights keep their
-    kernels' layouts)."""
+def pack(model: Decoder, twin: bool) -> Decoder:
+    """`model` as the CPU graphs over packed weights see it: its linear layers, and a tied head as
+    a layer of its own, read packed copies; the embedding table, norms and rotary frequencies stay
+    as they are. `twin`: a new module tree (the model keeps its float weights, for other uses);
+    else the model itself, packed in place (only what owns the model: it then runs on the CPU in
+    float, and neither exports, quantizes nor saves). A float model only."""
     assert model.quantization is None, "a quantized model's linear layers are its kernels' own"
-    twin = _twin(model)
+    if model.packed:
+        return model
+    _return_freed_memory()  # what loading let go: the packed copies are not stacked on top of it
+    packed = _packed(model, twin)
     if model.lm_head is None:  # tied: the table stays for the lookup, the head reads a packed copy
-        twin.lm_head = PackedLinear(model.embed_tokens.weight, None, None)
-    return twin
+        packed.lm_head = PackedLinear(model.embed_tokens.weight, None, None)
+    packed.packed = True
+    if not twin:
+        _return_freed_memory()  # the float matrices
+    return packed
+
+
+def _return_freed_memory() -> None:
+    """Hand memory freed to the C heap back to the system (glibc's `malloc_trim`): freed matrices
+    otherwise stay in the process's resident set (SmolLM2 packed in place: 1.2-1.4 GB peak
+    without, 1.15-1.17 GB with). Nothing where the C library has no such call."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
