@@ -156,6 +156,20 @@ def test_a_model_packed_in_place_holds_its_weights_once_and_gives_transformers_t
         assert backend._stored_graph((1, "pick", False)).model is model
 
 
+def test_a_tied_head_packed_in_place_reads_the_one_table(tmp_path):
+    """Packed in place, a tied model keeps one table for the lookup and the head (column-major, as
+    the head's product reads it), not a packed copy beside it; compiled and eager give transformers'
+    tokens."""
+    pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
+    hf = save_hf_model("llama", tmp_path, hidden_size=PACK_MIN_HIDDEN, intermediate_size=512, tie_word_embeddings=True)
+    expected = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    model = staticrt.load_model(tmp_path, packed=True)
+    table = model.embed_tokens.weight
+    assert model.packed and model.lm_head is None and table.stride() == (1, table.shape[0])
+    assert compiled_run(model)[0] == expected
+    assert staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(PROMPTS, NEW) == expected
+
+
 def test_a_corrupt_or_mismatched_entry_is_compiled_again_with_a_warning(llama_256, stored):
     folder, expected = llama_256
     decode = graph_entries(from_stored(stored))[(1, "pick", False)]

@@ -53,7 +53,9 @@ LIBRARY, CALLS, ENTRY = "step.so", "step.json", "entry.json"
 # A library holds no weights: it reads the model's own, or the packed twin's (`StoredStep`). One
 # holding them (`package_constants_in_so`) is mapped from its file and copied into the runner at
 # load, both counted in the process's memory (SmolLM2: 632 MB mapped + 686 MB copied).
-AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False}
+# Never frozen, whatever the caller's context (compiled.py freezes the graphs it compiles itself):
+# a frozen library would name constants of its own that no live tensor answers.
+AOTI_OPTIONS = {"aot_inductor.package_constants_in_so": False, "freezing": False}
 _SOURCE_DIGEST: list[str] = []
 
 

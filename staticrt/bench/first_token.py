@@ -41,8 +41,8 @@ def _staticrt(mode: str, source: str, threads: int) -> list[int]:
     from staticrt.loading.checkpoint import load_model
 
     spec = json.loads(source)
-    gen = Generator(
-        load_model(spec["model"], dtype=spec["dtype"]),
+    gen = Generator(  # the model loaded as `staticrt run` loads it for this backend
+        load_model(spec["model"], dtype=spec["dtype"], packed=mode == "compiled"),
         cache=spec["cache"],
         max_batch_size=spec["batch_size"],
         max_cache_len=spec["max_cache_len"],
