@@ -7,8 +7,8 @@ the 517 MB of float weights prefill reads (2.23 GB peak against the eager backen
 packed twin of the model instead holds each packed matrix as a parameter: a graph traced over it
 calls oneDNN's linear on that parameter, AOTInductor stores the graph without weights, and every
 loaded graph is handed the twin's tensors (graph_store.py), so all graphs share them. A process
-whose model is its own (the CLI's) packs the model itself (`pack_in_place`): the float matrices
-are let go and the weights are held once.
+whose model is its own (the CLI's, `load_model(packed=True)`) packs the model itself (`pack` in
+place): the float matrices are let go and the weights are held once.
 """
 
 from __future__ import annotations
