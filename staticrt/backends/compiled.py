@@ -200,7 +200,8 @@ class CompiledBackend(EagerBackend):
         Prefill graphs compiled in the process keep the weights as inputs (each frozen graph would
         hold a packed copy), unless the model is packed in place (`packed_linear.pack`: any graph
         of it freezes, holding its tensors, not copies); so do quantized weights, whose kernels
-        read them as they are (freezing would fold them back into floats)."""
+        read them as they are (freezing would fold them back into floats). `in_process=False` asks
+        for a stored graph, which never freezes: the packed clause does not apply to it."""
         return (
             (seq_len == 1 or verifies(choice) or (in_process and self.model.packed))
             and self.device.type == "cpu"
