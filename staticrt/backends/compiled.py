@@ -23,7 +23,7 @@ import torch
 from ..errors import GenerationError
 from ..generation import builds
 from ..generation.loop import SamplingParams
-from ..models.packed_linear import PACK_MIN_HIDDEN, address, packs
+from ..models.packed_linear import PACK_MIN_HIDDEN, packs, weight_stamps
 from ..models.quant_spec import torchao_weights
 from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice, verifies
 from .freezing import frozen_decode_weights
@@ -105,7 +105,7 @@ class CompiledBackend(EagerBackend):
         if isinstance(stored, StoredStep) and stored.addresses != live_addresses(self._stored_graph(key)):
             del self._graphs[key]  # weights replaced since it loaded (dynamo would guard): load it for the new ones
         freezes = self.freezes(key[0], choice)
-        if freezes and self._frozen_weights not in (None, self._weight_stamps()):
+        if freezes and self._frozen_weights not in (None, weight_stamps(self.model)):
             raise GenerationError(
                 "the model's weights changed in place after its decode graph froze them (CPU decode graphs "
                 "hold the weights as they were at compile); build a new Generator for the changed model"
@@ -113,13 +113,9 @@ class CompiledBackend(EagerBackend):
         with frozen_decode_weights() if freezes else nullcontext():
             result = super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
         if freezes and self._frozen_weights is None:
-            self._frozen_weights = self._weight_stamps()
+            self._frozen_weights = weight_stamps(self.model)
         self._checked[key] = self.past_guards(self._graphs[key])
         return result
-
-    def _weight_stamps(self) -> list[tuple[int, int]]:
-        """Where each weight lives and its in-place write count: what a frozen graph is valid for."""
-        return [(address(p), p._version) for p in self.model.parameters()]
 
     def prepare(
         self,

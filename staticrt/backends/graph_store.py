@@ -43,7 +43,7 @@ from ..artifacts.write import write_folder
 from ..caches import KVCache
 from ..errors import StaticrtError
 from ..models.decoder import Decoder
-from ..models.packed_linear import address, pack, packed_bytes
+from ..models.packed_linear import address, pack, packed_bytes, weight_stamps
 from .eager import choice_candidates, run_step, verifies
 
 log = logging.getLogger("staticrt")
@@ -180,7 +180,7 @@ class GraphStore:
         """Where the graph of `step` is stored, and the fields that key it."""
         # Weights written in place or replaced since they were hashed are hashed again: a packed
         # graph built now reads the new ones and must not be found under the old ones' key.
-        stamps = self._stamps()
+        stamps = weight_stamps(self.model)
         if self._weights is None or self._weights[0] != stamps:
             self._weights = (stamps, weights_digest(self.model))
         fields = graph_fields(self.model, self._weights[1], self.cache, step.key) | {
@@ -190,15 +190,12 @@ class GraphStore:
         text = json.dumps(fields, sort_keys=True)
         return self.root / hashlib.sha256(text.encode()).hexdigest()[:24], json.loads(text)  # as entry.json reads
 
-    def _stamps(self) -> list[tuple[int, int]]:
-        return [(address(p), p._version) for p in self.model.parameters()]
-
     def graph(self, key: Key, packed: bool, layers_once: bool) -> StepModule:
         """The step of the graph `key` as the store traces it: `packed`, over the model's packed
         twin (one per set of weights, shared by every packed graph), else over the model."""
         if not packed:
             return StepModule(self.model, self.cache, key, False, layers_once)
-        stamps = self._stamps()
+        stamps = weight_stamps(self.model)
         if self._twin is None or self._twin[0] != stamps:
             self._twin = (stamps, pack(self.model, twin=True))  # a model packed in place is its own twin
         return StepModule(self._twin[1], self.cache, key, True, layers_once)

@@ -59,6 +59,12 @@ def address(tensor: torch.Tensor) -> int:
     return torch.ops.mkldnn.data_ptr(tensor) if tensor.is_mkldnn else tensor.data_ptr()
 
 
+def weight_stamps(model: nn.Module) -> list[tuple[int, int]]:
+    """Where each weight lives and its in-place write count: what a graph built over them (a
+    frozen one, a packed twin, a stored graph's key) is valid for."""
+    return [(address(p), p._version) for p in model.parameters()]
+
+
 def packed_bytes(tensor: torch.Tensor) -> memoryview:
     """A packed tensor's bytes as they lie in memory (no copy), to hash."""
     size = torch.ops.mkldnn._nbytes(tensor)
