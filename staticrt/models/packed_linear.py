@@ -111,7 +111,8 @@ def pack(model: Decoder, twin: bool) -> Decoder:
     assert model.quantization is None, "a quantized model's linear layers are its kernels' own"
     if model.packed:
         return model
-    _return_freed_memory()  # what loading let go: the packed copies are not stacked on top of it
+    if not twin:
+        _return_freed_memory()  # what loading let go: the packed copies are not stacked on top of it
     packed = _packed(model, twin)
     if model.lm_head is None and twin:  # tied: the table stays for the lookup, the head reads a packed copy
         packed.lm_head = PackedLinear(model.embed_tokens.weight, None, None)
