@@ -23,8 +23,9 @@ from hf_models import hf_greedy, save_hf_model
 import staticrt
 from staticrt import GenerationError
 from staticrt.backends.eager import VERIFY
+from staticrt.bench.probes import weight_bytes_per_step
 from staticrt.models import a8_kernels
-from staticrt.models.packed_linear import PACK_MIN_HIDDEN
+from staticrt.models.packed_linear import PACK_MIN_HIDDEN, PackedLinear, PackedLookup, address, packing_available
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
 NEW = 12
@@ -156,18 +157,37 @@ def test_a_model_packed_in_place_holds_its_weights_once_and_gives_transformers_t
         assert backend._stored_graph((1, "pick", False)).model is model
 
 
-def test_a_tied_head_packed_in_place_reads_the_one_table(tmp_path):
-    """Packed in place, a tied model keeps one table for the lookup and the head (column-major, as
-    the head's product reads it), not a packed copy beside it; compiled and eager give transformers'
-    tokens."""
+def test_a_tied_model_packed_in_place_holds_its_table_once_packed_and_looks_rows_up_in_it(tmp_path):
+    """Packed in place, a tied model's head reads a packed copy of the table and its lookup reads
+    the rows out of that copy: no other tensor of the table's size is held; compiled and eager
+    give transformers' tokens, and the bench counts the table's bytes once, as unpacked."""
     pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
     hf = save_hf_model("llama", tmp_path, hidden_size=PACK_MIN_HIDDEN, intermediate_size=512, tie_word_embeddings=True)
     expected = [hf_greedy(hf, p, NEW) for p in PROMPTS]
     model = staticrt.load_model(tmp_path, packed=True)
-    table = model.embed_tokens.weight
-    assert model.packed and model.lm_head is None and table.stride() == (1, table.shape[0])
+    head, size = model.lm_head.weight, hf.model.embed_tokens.weight.numel()
+    assert model.packed and head.is_mkldnn and isinstance(model.embed_tokens, PackedLookup)
+    assert model.embed_tokens.flat.data_ptr() == address(head)  # the lookup reads the head's copy
+    tensors = [*model.parameters(), *model.buffers()]
+    assert [t.shape for t in tensors if not t.is_mkldnn and t.numel() >= size and address(t) != address(head)] == []
+    assert weight_bytes_per_step(model, 1) == weight_bytes_per_step(staticrt.load_model(tmp_path), 1)
     assert compiled_run(model)[0] == expected
     assert staticrt.Generator(model, max_batch_size=2, max_cache_len=64).generate(PROMPTS, NEW) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_lookup_gives_every_row_exactly_or_is_refused(dtype):
+    """`PackedLookup.of` finds oneDNN's layout (a vocabulary that is not a whole number of blocks,
+    a width that is padded) and gives each row bit for bit; a packed copy of another table is
+    refused, and `pack` keeps the table then."""
+    if not packing_available(dtype):
+        pytest.skip(f"this CPU's oneDNN does not compute {dtype} (packing_available)")
+    table = torch.randn(1000, 100).to(dtype)  # 1000 = 15 blocks of 64 + 40; 100 padded
+    lookup = PackedLookup.of(PackedLinear(table, None, None).weight, table)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert lookup is not None and torch.equal(lookup(torch.arange(1000)).view(bits), table.view(bits))
+    other = PackedLinear(table.roll(1, dims=0), None, None).weight
+    assert PackedLookup.of(other, table) is None
 
 
 def test_a_corrupt_or_mismatched_entry_is_compiled_again_with_a_warning(llama_256, stored):

@@ -31,7 +31,7 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     codes = [b for m in model.modules() if isinstance(m, A8Linear) for b in m.buffers(recurse=False)]
     total = sum(stored_bytes(p) for p in [*model.parameters(), *codes])
     embed = model.embed_tokens.weight
-    if model.lm_head is not None:
+    if model.lm_head is not None and embed is not getattr(model.lm_head, "weight", None):  # not a packed head's
         total -= embed.numel() * embed.element_size()
         total += batch_size * embed.shape[1] * embed.element_size()
     return total

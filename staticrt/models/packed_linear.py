@@ -101,28 +101,100 @@ def _packed(module: nn.Module, twin: bool) -> nn.Module:
 
 
 def pack(model: Decoder, twin: bool) -> Decoder:
-    """`model` as the CPU graphs over packed weights see it: its linear layers (and a twin's tied
-    head, as a layer of its own) read packed copies; the embedding table, norms and rotary
-    frequencies stay as they are. `twin`: a new module tree (the model keeps its float weights, for other uses);
-    else the model itself, packed in place (only what owns the model: it then runs on the CPU in
-    float, and neither exports, quantizes nor saves), where a tied head keeps reading the table,
-    so the largest matrix is not held twice (SmolLM2: 113 MB; its decode step 18.6 against 15.5-16.4
-    ms with a packed head, docs/measurements.md). A float model only."""
+    """`model` as the CPU graphs over packed weights see it: its linear layers (and a tied head, as
+    a layer of its own) read packed copies; the embedding table, norms and rotary frequencies stay
+    as they are. `twin`: a new module tree (the model keeps its float weights, for other uses); else
+    the model itself, packed in place (only what owns the model: it then runs on the CPU in float,
+    and neither exports, quantizes nor saves), where a tied model's lookup reads its rows out of
+    the head's packed copy (`PackedLookup`), the only copy of the table held (SmolLM2's decode
+    step 14.0 against 19.8 ms with the head reading a column-major table, docs/measurements.md).
+    Where oneDNN's layout is not the one `PackedLookup` reads, the one table stays for both,
+    column-major as the head's product reads it. A float model only."""
     assert model.quantization is None, "a quantized model's linear layers are its kernels' own"
     if model.packed:
         return model
     if not twin:
         _return_freed_memory()  # what loading let go: the packed copies are not stacked on top of it
     packed = _packed(model, twin)
-    if model.lm_head is None and twin:  # tied: the table stays for the lookup, the head reads a packed copy
-        packed.lm_head = PackedLinear(model.embed_tokens.weight, None, None)
-    elif model.lm_head is None:  # one table for both, held once: column-major, as the head's product reads it
+    if model.lm_head is None:  # tied
         table = model.embed_tokens.weight
-        table.data = table.data.t().contiguous().t()
+        head = PackedLinear(table, None, None)
+        lookup = None if twin else PackedLookup.of(head.weight, table)
+        if twin or lookup is not None:
+            packed.lm_head = head
+        if lookup is not None:
+            packed.embed_tokens = lookup
+        elif not twin:  # one table for both, held once
+            table.data = table.data.t().contiguous().t()
+        del table, head
     packed.packed = True
     if not twin:
         _return_freed_memory()  # the float matrices
     return packed
+
+
+class PackedLookup(nn.Module):
+    """The embedding lookup of a tied model packed in place, reading the rows of the table out of
+    the head's packed copy. oneDNN lays out a [V, C] weight in blocks of rows; on AVX-512, of 64
+    rows, each block [C', 64] (C' = C rounded up to 16), so row v, column c lies at
+    (v // 64) * C' * 64 + c * 64 + v % 64: with V = 49152, C = 576 (SmolLM2), row 130's column 2
+    is at 2 * 36864 + 128 + 2 = 73858. Each offset is a row's part plus a column's part, which
+    `of` finds by packing a probe and checks against the whole table."""
+
+    def __init__(self, packed: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> None:
+        super().__init__()
+        # The head's packed weight, held so that what `flat` aliases stays alive; not a parameter of its own.
+        object.__setattr__(self, "weight", packed)
+        self.register_buffer("flat", torch.frombuffer(packed_bytes(packed), dtype=packed.dtype), persistent=False)
+        self.register_buffer("rows", rows, persistent=False)  # [V] int64
+        self.register_buffer("columns", columns, persistent=False)  # [C] int64
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.flat[self.rows[ids].unsqueeze(-1) + self.columns]  # [N] -> [N, C]
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, table: torch.Tensor) -> PackedLookup | None:
+        """The lookup of `table` [V, C] out of `packed`, its packed copy; None where the layout is
+        not a row's offset plus a column's, blocks of rows repeating (then the table is kept)."""
+        vocab, width = table.shape
+        probe = min(vocab, 512)  # rows: several blocks (the layout is the same for a few rows as for all)
+        rows, columns = (_positions(probe, width, along, table.dtype) for along in (0, 1))
+        columns -= columns[0].clone()  # row 0's offset is in `rows`
+        step = int(rows[1] - rows[0]) if probe > 1 else 1
+        inside = torch.arange(probe) * step + rows[0]
+        block = next((n for n in range(1, probe) if rows[n] != inside[n]), probe)  # rows a block
+        if block < probe:  # offsets repeat block by block: extend to the whole vocabulary
+            span = rows[block] - rows[0]
+            every = torch.arange(vocab)
+            rows = rows[0] + (every // block) * span + (every % block) * step
+        elif probe < vocab:
+            return None
+        lookup = cls(packed, rows, columns)
+        if min(rows.min(), columns.min()) < 0 or rows.max() + columns.max() >= lookup.flat.numel():
+            return None  # a position the probe did not find, or past the packed copy
+        for start in range(0, vocab, 512):  # every row as the table holds it (~5 MB at a time), or the table is kept
+            ids = torch.arange(start, min(start + 512, vocab))
+            if not torch.equal(lookup(ids), table[ids]):
+                return None
+        return lookup
+
+
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}  # a probe's codes, as each dtype's bits
+
+
+def _positions(rows: int, columns: int, along: int, dtype: torch.dtype) -> torch.Tensor:
+    """Where a packed [rows, columns] weight of `dtype` puts the elements of its first column
+    (`along` 0) or its first row (1): a probe numbering them 1, 2, ... (as bit patterns of the
+    dtype's width: exact where a bfloat16 value is not), every other element 0, packed."""
+    codes = torch.zeros(rows, columns, dtype=_BITS[dtype])
+    count = codes.shape[along]
+    codes.select(1 - along, 0).copy_(torch.arange(1, count + 1))
+    probe = PackedLinear(codes.view(dtype), None, None).weight
+    flat = torch.frombuffer(packed_bytes(probe), dtype=codes.dtype)
+    found = flat.nonzero().flatten()
+    where = torch.full((count,), -1, dtype=torch.int64)
+    where[flat[found].long() - 1] = found
+    return where
 
 
 def _return_freed_memory() -> None:
