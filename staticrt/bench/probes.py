@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..config import ModelConfig
 from ..models.a8_linear import A8Linear
 from ..models.decoder import Decoder
+from ..models.packed_linear import PackedLookup
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
@@ -29,7 +30,9 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     their scales when quantized; staticrt's int8-activation kernels' codes and scales are buffers), but of an
     untied embedding table only the looked-up rows."""
     codes = [b for m in model.modules() if isinstance(m, A8Linear) for b in m.buffers(recurse=False)]
-    total = sum(stored_bytes(p) for p in [*model.parameters(), *codes])
+    # A packed lookup's table is the packed head's bytes, counted with the head.
+    held = [p for m in model.modules() if not isinstance(m, PackedLookup) for p in m.parameters(recurse=False)]
+    total = sum(stored_bytes(p) for p in [*held, *codes])
     embed = model.embed_tokens.weight
     if model.lm_head is not None and embed is not getattr(model.lm_head, "weight", None):  # not a packed head's
         total -= embed.numel() * embed.element_size()

@@ -143,9 +143,12 @@ class PackedLookup(nn.Module):
 
     def __init__(self, packed: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> None:
         super().__init__()
-        # The head's packed weight, held so that what `flat` aliases stays alive; not a parameter of its own.
+        # The head's packed weight, held so that what `flat` aliases stays alive; not registered twice.
         object.__setattr__(self, "weight", packed)
-        self.register_buffer("flat", torch.frombuffer(packed_bytes(packed), dtype=packed.dtype), persistent=False)
+        # A parameter, not a buffer: AOTInductor copies each buffer a graph reads when it compiles
+        # it (a buffer may be written), 113 MB more for SmolLM2 for each graph compiled.
+        flat = torch.frombuffer(packed_bytes(packed), dtype=packed.dtype)  # [blocks * C' * rows a block]
+        self.flat = nn.Parameter(flat, requires_grad=False)
         self.register_buffer("rows", rows, persistent=False)  # [V] int64
         self.register_buffer("columns", columns, persistent=False)  # [C] int64
 
