@@ -18,6 +18,7 @@ from torch import nn
 import staticrt
 from staticrt.bench.perplexity import perplexity
 from staticrt.caches import CacheSpec
+from staticrt.cli.main import main
 from staticrt.errors import ArtifactError, ConfigError
 from staticrt.exporters import export_artifact
 from staticrt.models import a8_kernels
@@ -88,6 +89,19 @@ def test_the_avx2_build_gives_the_float_models_tokens_on_its_grids(hf_checkpoint
     run = subprocess.run(argv, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.splitlines()[-1]) == on_the_grids(folder, quantize).generate([PROMPT], 24)[0]
+
+
+@kernel
+def test_int8_and_int4_choose_these_kernels_on_this_cpu(capsys):
+    """What `--quantize int8` and `int4` run on a CPU with the kernels: these, in float32 (and
+    `inspect` sizes the cache for float32), a tied head an int8 copy of its own."""
+    for name, projection in (("int8", "Int8Linear"), ("int4", "Int4Linear")):
+        model = staticrt.load_model("tiny-llama", quantize=name)
+        assert model.quantization.name == f"{name}-a8" and model.embed_tokens.weight.dtype == torch.float32
+        assert type(model.layers[0].mlp.down_proj).__name__ == projection
+        assert type(model.lm_head).__name__ == "Int8Linear"
+    assert main(["inspect", "--model", "tiny-llama", "--quantize", "int4", "--format", "csv"]) == 0
+    assert '0,full_attention,static,device,1x2x1024x16,"262,144"' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("quantize", SPECS)

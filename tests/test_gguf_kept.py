@@ -112,7 +112,7 @@ def test_kept_q8_0_loads_as_int8_a_channel_from_the_exact_values(q8_0):
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     source, folder = q8_0
-    assert json.loads((folder / "config.json").read_text())["quantization_config"]["weights"] == "int8"
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["weights"] == "int8-wo"
     model = staticrt.load_model(folder)
     assert model.quantization == QuantSpec(8)
     tensors = {t.name: t for t in GGUFReader(str(source)).tensors}
@@ -135,7 +135,7 @@ def test_keep_quantized_refuses_projections_it_cannot_keep_before_writing(q4_0, 
     with pytest.raises(CheckpointError) as refused:
         convert_gguf(source, tmp_path / "out", keep_quantized=True)
     assert str(refused.value) == (
-        "--keep-quantized keeps projections that are all Q8_0 (as int8) or all Q4_0/Q4_1 (as int4-g32); "
+        "--keep-quantized keeps projections that are all Q8_0 (as int8-wo) or all Q4_0/Q4_1 (as int4-g32); "
         "mixed.gguf's are 13 Q4_0, 1 F16. Convert without --keep-quantized (float32 weights) and load with "
         "--quantize int8 or int4"
     )
@@ -161,6 +161,7 @@ def test_a_kept_folder_refuses_another_quantization_and_foreign_ones_are_named(q
         "'int8': leave quantize out (or pass int4-g32), or convert the GGUF without --keep-quantized to "
         "quantize the float weights otherwise"
     )
+    assert staticrt.load_model(folder, quantize="int4").quantization == QuantSpec(4, 32)  # "int4": the kept codes
     foreign = tmp_path / "gptq"
     foreign.mkdir()
     config = json.loads((folder / "config.json").read_text())

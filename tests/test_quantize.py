@@ -1,8 +1,12 @@
-"""Weight-only int8 / int4 quantization (`load_model(..., quantize=...)`, torchao): tokens against
+"""Weight-only int8 / int4 quantization with torchao (`load_model(..., quantize="int8-wo" or
+"int4-g32")`, and "int8" / "int4" where torchao's kernels are the device's choice): tokens against
 transformers given the same torchao-quantized weights, the compiled graph on torch's int8 kernel,
-the refusals, and on the real SmolLM2 model the perplexity and the chat answer against fp32."""
+the refusals, the choice of kernels, and on the real SmolLM2 model the perplexity and the chat
+answer against fp32 (staticrt's own int8-activation kernels: test_a8_kernels.py)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -35,13 +39,13 @@ def hf_quantized(folder, quantize: str):
         folder, dtype=torch.bfloat16, attn_implementation="eager"
     ).eval()
     int8 = Int8WeightOnlyConfig(set_inductor_config=False)
-    body = int8 if quantize == "int8" else PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False)
+    body = int8 if quantize == "int8-wo" else PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False)
     quantize_(model, body, filter_fn=lambda m, name: isinstance(m, nn.Linear) and name != "lm_head")
     quantize_(model, int8, filter_fn=lambda m, name: name == "lm_head")
     return model
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize", ["int8-wo", "int4-g32"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_tokens_equal_transformers_with_the_same_torchao_weights(hf_checkpoints, family, quantize):
     folder = hf_checkpoints[family][0]
@@ -55,7 +59,7 @@ def test_quantized_tokens_equal_transformers_with_the_same_torchao_weights(hf_ch
 def test_quantized_weights_are_torchaos_and_read_in_fewer_bytes(hf_checkpoints):
     """The tied head gets an int8 copy of its own; the embedding stays bfloat16 (only gathered)."""
     folder = hf_checkpoints["llama-linear-tied"][0]
-    fp32, int8, int4 = (staticrt.load_model(folder, quantize=q) for q in (None, "int8", "int4"))
+    fp32, int8, int4 = (staticrt.load_model(folder, quantize=q) for q in (None, "int8-wo", "int4-g32"))
     assert type(int8.layers[0].self_attn.qkv_proj.weight).__name__ == "Int8Tensor"
     assert type(int4.layers[0].mlp.down_proj.weight).__name__ == "Int4OpaqueTensor"
     assert type(int4.lm_head.weight).__name__ == "Int8Tensor"
@@ -80,7 +84,7 @@ def test_compiled_quantized_decode_runs_on_the_int8_kernel_without_recompiles(hf
     from torch._dynamo.utils import counters
 
     folder = hf_checkpoints["llama"][0]
-    fp32, int8 = staticrt.load_model(folder), staticrt.load_model(folder, quantize="int8")
+    fp32, int8 = staticrt.load_model(folder), staticrt.load_model(folder, quantize="int8-wo")
     ids = torch.tensor([PROMPTS[1]])
     logits = {}
     counters.clear()
@@ -106,17 +110,17 @@ def test_compiled_quantized_decode_runs_on_the_int8_kernel_without_recompiles(hf
 
 def test_quantize_refuses_what_it_cannot_run_before_changing_anything(tmp_path):
     with pytest.raises(ConfigError) as err:
-        staticrt.load_model("tiny-llama", dtype="float32", quantize="int8")
+        staticrt.load_model("tiny-llama", dtype="float32", quantize="int8-wo")
     assert str(err.value) == (
-        "quantize 'int8' with dtype float32: torch's int8/int4 weight kernels take bfloat16 (or float16) "
+        "quantize 'int8-wo' with dtype float32: torch's int8/int4 weight kernels take bfloat16 (or float16) "
         "activations, and with float32 ones run slower than float32 weights; use --dtype bfloat16, or leave "
         "--dtype out (it then defaults to bfloat16)"
     )
     with pytest.raises(ConfigError) as err:
         staticrt.load_model("tiny-llama", quantize="int3")
     assert str(err.value) == (
-        "quantize 'int3' is not supported; choose one of int8, int8-a8, int4, int4-g32, int4-g64, int4-g128, int4-a8 "
-        "(int4 is int4-g32), or none"
+        "quantize 'int3' is not supported; choose one of int8, int8-a8, int8-wo, int4, int4-a8, int4-g32, int4-g64, "
+        "int4-g128, or none (int8 and int4: the kernels this device runs fastest)"
     )
     with pytest.raises(ConfigError) as err:
         staticrt.load_model("tiny-llama", quantize="int4-g128")
@@ -138,26 +142,28 @@ def test_quantize_refuses_what_it_cannot_run_before_changing_anything(tmp_path):
     with pytest.raises(ArtifactError) as err:
         export_artifact(model, CacheSpec("static", 1, 16), [16], tmp_path / "a", quantize=QuantSpec(8))
     assert str(err.value) == (
-        "exporting int8 weights to aoti, pt2 and onnx in one artifact is not supported: the torch programs compute "
-        "in bfloat16 with torchao's weights and the ONNX graph in float32 with ONNX Runtime's; export them to two "
-        "artifacts (--format aoti,pt2, then --format onnx)"
+        "exporting int8-wo weights to aoti, pt2 and onnx in one artifact is not supported: the torch programs run "
+        "the weights as loaded (torchao's or staticrt's kernels) and the ONNX graph ONNX Runtime's quantization of "
+        "the float weights; export them to two artifacts (--format aoti,pt2, then --format onnx)"
     )
-    with pytest.raises(ArtifactError, match=r"^quantize='int8' with format\(s\) pt2: the torch formats export the"):
+    with pytest.raises(ArtifactError, match=r"^quantize='int8-wo' with format\(s\) pt2: the torch formats export the"):
         export_artifact(model, CacheSpec("static", 1, 16), [16], tmp_path / "a", ["pt2"], quantize=QuantSpec(8))
-    with pytest.raises(ArtifactError, match=r"loaded with quantize='int8'; the ONNX exporter takes the float model"):
+    with pytest.raises(ArtifactError, match=r"loaded with quantize='int8-wo'; the ONNX exporter takes the float model"):
         export_artifact(
-            staticrt.load_model("tiny-llama", quantize="int8"), CacheSpec("static", 1, 16), [16], tmp_path / "a"
+            staticrt.load_model("tiny-llama", quantize="int8-wo"), CacheSpec("static", 1, 16), [16], tmp_path / "a"
         )
     assert not (tmp_path / "a").exists()
 
 
 def test_cli_runs_quantized_and_refuses_quantize_on_an_artifact(capsys, tmp_path):
     assert (
-        main(["run", "--model", "tiny-llama", "--quantize", "int4", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"])
+        main(
+            ["run", "--model", "tiny-llama", "--quantize", "int4-g32", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]
+        )
         == 0
     )
-    assert main(["inspect", "--model", "tiny-llama", "--quantize", "int8", "--format", "csv"]) == 0
-    # a quantized model computes in bfloat16, so its cache holds 2 bytes a value (fp32's would be 262,144)
+    assert main(["inspect", "--model", "tiny-llama", "--quantize", "int8-wo", "--format", "csv"]) == 0
+    # torchao's quantized model computes in bfloat16, so its cache holds 2 bytes a value (fp32's would be 262,144)
     assert '0,full_attention,static,device,1x2x1024x16,"131,072"' in capsys.readouterr().out
     (tmp_path / "art").mkdir()
     assert main(["run", str(tmp_path / "art"), "--quantize", "int8", "--prompt-ids", "1"]) == 2
@@ -165,11 +171,13 @@ def test_cli_runs_quantized_and_refuses_quantize_on_an_artifact(capsys, tmp_path
 
 
 def test_bench_runs_quantized_variants_beside_the_float_weights():
-    report = run_bench("tiny-llama", ["eager", "hf"], new_tokens=4, prompt_len=8, repeats=1, quantize=("none", "int8"))
-    assert list(report["backends"]) == ["eager", "hf", "eager-int8"]
-    assert report["backends"]["eager-int8"]["quantize"] == "int8"
-    assert set(report["ratios"]) >= {"eager-int8_decode_speedup_vs_eager", "eager-int8_decode_speedup_vs_hf"}
-    assert report["weight_bytes_per_step"]["int8"] < report["weight_bytes_per_step"]["none"] / 3
+    report = run_bench(
+        "tiny-llama", ["eager", "hf"], new_tokens=4, prompt_len=8, repeats=1, quantize=("none", "int8-wo")
+    )
+    assert list(report["backends"]) == ["eager", "hf", "eager-int8-wo"]
+    assert report["backends"]["eager-int8-wo"]["quantize"] == "int8-wo"
+    assert set(report["ratios"]) >= {"eager-int8-wo_decode_speedup_vs_eager", "eager-int8-wo_decode_speedup_vs_hf"}
+    assert report["weight_bytes_per_step"]["int8-wo"] < report["weight_bytes_per_step"]["none"] / 3
     assert report["tokens_agree"]
 
 
@@ -181,7 +189,7 @@ def test_quantized_real_model_keeps_its_perplexity_and_its_answer(smollm2):
     +0.3%, int4 +0.5%; 1,024 tokens 12.99, +0.5%, +0.3%.)"""
     text = open(TEXT).read()
     results = {}
-    for quantize in (None, "int8", "int4"):
+    for quantize in (None, "int8-wo", "int4-g32"):
         model = staticrt.load_model(smollm2, quantize=quantize)
         ids = model.tokenizer.encode(text)[:512]
         results[quantize] = perplexity(model, ids)
@@ -194,5 +202,40 @@ def test_quantized_real_model_keeps_its_perplexity_and_its_answer(smollm2):
             assert "Paris" in answer, (quantize, answer)
     assert len(ids) == 512
     assert 5 < results[None] < 25  # a trained 135M model on reference prose (a random one: ~49,000)
-    assert results["int8"] / results[None] < 1.01, results
-    assert results["int4"] / results[None] < 1.05, results
+    assert results["int8-wo"] / results[None] < 1.01, results
+    assert results["int4-g32"] / results[None] < 1.05, results
+
+
+def test_int8_and_int4_take_the_kernels_this_device_runs_fastest(monkeypatch):
+    """ "int8" / "int4": staticrt's int8-activation kernels on a CPU that has them (computing in
+    float32), torchao's weight-only ones with bfloat16 asked for, on CUDA, where an input size does
+    not fit the kernels' step, or where the kernels cannot be built (a warning says so); a named
+    spelling is taken as named."""
+    from staticrt.loading.checkpoint import load_config
+    from staticrt.models import a8_kernels
+    from staticrt.models.quant_spec import QuantSpec, parse_quantize
+    from staticrt.models.quantize import kernels_for
+
+    config, cpu = load_config("tiny-llama"), torch.device("cpu")
+    int8, int4 = parse_quantize("int8"), parse_quantize("int4")
+    built = []
+    monkeypatch.setattr(a8_kernels, "isa", lambda: "avx2")
+    monkeypatch.setattr(a8_kernels, "load", built.append)
+    assert kernels_for(int8, cpu, None, config).name == "int8-a8" and built == ["int8-a8"]
+    assert kernels_for(int4, cpu, torch.float32, config).name == "int4-a8"
+    assert kernels_for(int8, cpu, torch.bfloat16, config).name == "int8-wo"
+    assert kernels_for(int4, torch.device("cuda"), None, config).name == "int4-g32"
+    assert kernels_for(int8, cpu, None, dataclasses.replace(config, intermediate_size=96)).name == "int8-wo"
+    assert kernels_for(int4, cpu, None, config, build=False).name == "int4-a8" and len(built) == 2
+    assert kernels_for(QuantSpec(8), cpu, None, config) == QuantSpec(8)
+    monkeypatch.setattr(a8_kernels, "isa", lambda: None)
+    assert kernels_for(int8, cpu, None, config).name == "int8-wo"
+
+    def no_compiler(quantize: str) -> None:
+        raise ConfigError(f"quantize {quantize!r} could not build staticrt's int8-activation kernels")
+
+    monkeypatch.setattr(a8_kernels, "isa", lambda: "avx2")
+    monkeypatch.setattr(a8_kernels, "load", no_compiler)
+    message = "could not build staticrt's int8-activation kernels. Until then quantize 'int4' runs torchao's kernels"
+    with pytest.warns(UserWarning, match=rf"^quantize 'int4-a8' {message} \(int4-g32\)$"):
+        assert kernels_for(int4, cpu, None, config).name == "int4-g32"

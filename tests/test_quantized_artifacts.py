@@ -99,7 +99,7 @@ def test_bench_times_the_graph_quantized_from_the_float_weights():
 
 
 def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torchao(tmp_path):
-    """`export --quantize int8 --format pt2,aoti`: weights.safetensors holds the int8 data and scales
+    """`export --quantize int8-wo --format pt2,aoti` (and int4-g32): weights.safetensors holds the int8 data and scales
     (torchao's tensors unwrapped into plain ones), at most 1.1x the quantized model's bytes; the pt2
     programs give the eager backend's tokens (the same dequantizing matmul), the AOTInductor packages
     the compiled backend's (the same fused int8 / int4 kernel), in a process where torchao cannot load.
@@ -111,7 +111,7 @@ def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torch
 
     prompt, argv = [5, 17, 99, 3, 250], ["export", "--model", "tiny-llama", "--max-cache-len", "64"]
     tokens = {}
-    for quantize, formats in (("int8", "pt2,aoti"), ("int4", "pt2,aoti")):
+    for quantize, formats in (("int8-wo", "pt2,aoti"), ("int4-g32", "pt2,aoti")):
         out = tmp_path / quantize
         assert main([*argv, "--quantize", quantize, "--format", formats, "--out", str(out)]) == 0
         model = staticrt.load_model("tiny-llama", quantize=quantize)
@@ -119,25 +119,25 @@ def test_pt2_and_aoti_artifacts_hold_torchaos_weights_once_and_run_without_torch
             gen = staticrt.Generator(model, max_cache_len=64, backend=backend)
             tokens[quantize, backend] = gen.generate([prompt], max_new_tokens=24)[0]
         manifest = json.loads((out / "manifest.json").read_text())
-        assert (manifest["quantize"], manifest["dtype"]) == (f"{quantize}-g32".replace("int8-g32", "int8"), "bfloat16")
+        assert (manifest["quantize"], manifest["dtype"]) == (quantize, "bfloat16")
         with safe_open(out / "weights.safetensors", "pt") as weights:
             dtypes = {name: weights.get_slice(name).get_dtype() for name in weights.keys()}
         data = "model.layers.0.mlp.down_proj.parametrizations.weight.original0"
-        assert dtypes[data] == ("I8" if quantize == "int8" else "U8")
+        assert dtypes[data] == ("I8" if quantize == "int8-wo" else "U8")
         assert not [name for name in dtypes if name.endswith("proj.weight")]  # no float projection left
         size = (out / "weights.safetensors").stat().st_size
         assert size <= 1.1 * sum(stored_bytes(p) for p in model.parameters())
     script = (
         "import sys, json; sys.modules['torchao'] = None\n"
         "from staticrt.generation.generator import load_artifact\n"
-        "runs = [('int8', 'pt2'), ('int8', 'aoti'), ('int4', 'pt2'), ('int4', 'aoti')]\n"
+        "runs = [('int8-wo', 'pt2'), ('int8-wo', 'aoti'), ('int4-g32', 'pt2'), ('int4-g32', 'aoti')]\n"
         f"print(json.dumps([load_artifact('{tmp_path}/' + q, backend=b).generate([{prompt}], 24)[0] for q, b in runs]))"
     )
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     int8_pt2, int8_aoti, int4_pt2, int4_aoti = json.loads(ran.stdout.strip().splitlines()[-1])
-    assert int8_pt2 == tokens["int8", "eager"] and int8_aoti == tokens["int8", "compiled"]
-    assert int4_pt2 == tokens["int4", "eager"] and int4_aoti == tokens["int4", "compiled"]
-    with zipfile.ZipFile(tmp_path / "int4" / "aoti" / "decode.pt2") as package:
+    assert int8_pt2 == tokens["int8-wo", "eager"] and int8_aoti == tokens["int8-wo", "compiled"]
+    assert int4_pt2 == tokens["int4-g32", "eager"] and int4_aoti == tokens["int4-g32", "compiled"]
+    with zipfile.ZipFile(tmp_path / "int4-g32" / "aoti" / "decode.pt2") as package:
         held = aoti_package_weights(package)[1]
         values = {torch.load(io.BytesIO(package.read(where[0]))).item() for where in held.values()}
     assert len(held) == 8 and values == {32}  # 2 layers x 4 int4 matmuls, each its group size

@@ -59,13 +59,14 @@ def add_quantize_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
         "--quantize",
         default=None,
         choices=("none", *QUANTIZE_CHOICES),
-        help="store the projections as int8 (one scale an output channel) or int4 (a scale and zero a group of "
-        "32, 64 or 128 inputs; int4 is int4-g32), the head as int8, computing in bfloat16: fewer bytes a token, "
-        "a faster compiled decode (needs the quant extra: pip install 'staticrt[quant]'); export writes torchao's "
-        "weights to pt2 (and int8 to aoti), or ONNX Runtime's MatMulNBits computing in float32 to onnx, one "
-        "artifact each. int8-a8 and int4-a8 (CPUs with AVX512-VNNI or AVX2; exported to aoti and pt2): int8 "
-        "weights, or int4 with a scale and minimum a block of 32, times int8 activations (blocks of 32) in "
-        "staticrt's own kernels, computing in float32, compiled once on first use (~20 s)",
+        help="store the projections as int8 or int4 and the head as int8: fewer bytes a token, a faster decode. "
+        "int8 and int4 take the kernels this device runs fastest: on a CPU with AVX512-VNNI or AVX2, staticrt's "
+        "own (int8-a8, int4-a8: int8 weights, or int4 with a scale and minimum a block of 32, times int8 "
+        "activations in blocks of 32, computing in float32; compiled once on first use, ~20 s), elsewhere, or "
+        "with --dtype bfloat16, torchao's weight-only ones (int8-wo: one scale an output channel; int4-g32, "
+        "-g64, -g128: a scale and zero a group of inputs; computing in bfloat16; needs the quant extra: pip "
+        "install 'staticrt[quant]'). export writes the weights as loaded to pt2 and aoti, or ONNX Runtime's "
+        "MatMulNBits (computing in float32) to onnx, one artifact each",
     )
 
 

@@ -6,11 +6,15 @@ import argparse
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..artifacts.manifest import FORMATS
 from ..errors import ArtifactError, ConfigError
 from .console import console, progress
+
+if TYPE_CHECKING:
+    from ..models.decoder import Decoder
+    from ..models.quant_spec import QuantSpec
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -51,7 +55,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     console.print(
         f"exporting {recipe.model} ({recipe.cache} cache, batch {recipe.batch_size}, max_cache_len "
         f"{recipe.max_cache_len}, prefill buckets {list(recipe.prefill_buckets)}"
-        f"{f', {spec.name} weights' if spec else ''}) to {out}"
+        f"{f', {_weights_name(spec, model)} weights' if spec else ''}) to {out}"
     )
     start = time.perf_counter()
     with progress("tracing, lowering and compiling (AOTInductor takes tens of seconds a program)"):
@@ -111,3 +115,9 @@ def _recipe(args: argparse.Namespace) -> Any:
         window=args.window,
         quantize=args.quantize,
     )
+
+
+def _weights_name(spec: QuantSpec, model: Decoder) -> str:
+    """What the banner calls the weights: the torch formats' as loaded ("int8" chose its kernels),
+    an ONNX graph's by their grid (ONNX Runtime's kernels run it)."""
+    return model.quantization.name if model.quantization is not None else spec.layout

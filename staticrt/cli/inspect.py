@@ -8,15 +8,20 @@ from .console import console, show_table
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
     from ..caches import CacheSpec, build_cache, resolve_max_cache_len
     from ..dtypes import resolve_dtype
     from ..loading.checkpoint import load_config
     from ..models.quant_spec import parse_quantize
-    from ..models.quantize import quantized_dtype
+    from ..models.quantize import kernels_for, quantized_dtype
 
-    # the cache holds what the model computes in: bfloat16 by default for quantized weights
-    dtype = quantized_dtype(parse_quantize(args.quantize), args.dtype and resolve_dtype(args.dtype))
+    # The cache holds what the model computes in: bfloat16 by default for torchao's quantized
+    # weights, float32 for staticrt's int8-activation kernels ("int8" and "int4" on most CPUs).
     config = load_config(args.model)
+    spec, dtype = parse_quantize(args.quantize), args.dtype and resolve_dtype(args.dtype)
+    spec = spec and kernels_for(spec, torch.device("cpu"), dtype, config, build=False)  # as `run` here would
+    dtype = quantized_dtype(spec, dtype)
     max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
     cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len, args.window), dtype, "meta")
     static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")

@@ -89,9 +89,10 @@ def export_artifact(
 
 def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
     """Refuse quantized weights in the torch formats beside the ONNX graph: the torch programs run
-    torchao's weights in bfloat16, the ONNX graph ONNX Runtime's quantization of the float32 weights
-    (onnx_quantize.py), so they are two models and go to two artifacts. int8-a8 and int4-a8 call
-    staticrt's own CPU kernels by name, which the torch programs can and an ONNX graph cannot."""
+    the weights as loaded (torchao's or staticrt's kernels), the ONNX graph ONNX Runtime's
+    quantization of the float weights (onnx_quantize.py), so they are two models and go to two
+    artifacts. int8-a8 and int4-a8 call staticrt's own CPU kernels by name, which the torch
+    programs can and an ONNX graph cannot."""
     if quantize in A8_CHOICES and "onnx" in formats:
         raise ArtifactError(
             f"quantize {quantize!r} runs in staticrt's own CPU kernels, which an ONNX graph cannot call; export it "
@@ -102,8 +103,9 @@ def check_exportable(quantize: str | None, formats: Sequence[str]) -> None:
     if quantize is not None and torch_formats and "onnx" in formats:
         raise ArtifactError(
             f"exporting {quantize} weights to {', '.join(torch_formats)} and onnx in one artifact is not supported: "
-            "the torch programs compute in bfloat16 with torchao's weights and the ONNX graph in float32 with ONNX "
-            f"Runtime's; export them to two artifacts (--format {','.join(torch_formats)}, then --format onnx)"
+            "the torch programs run the weights as loaded (torchao's or staticrt's kernels) and the ONNX graph ONNX "
+            "Runtime's quantization of the float weights; export them to two artifacts "
+            f"(--format {','.join(torch_formats)}, then --format onnx)"
         )
 
 

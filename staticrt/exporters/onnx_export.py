@@ -262,7 +262,7 @@ def write_onnx(
 
         head = "model.embed_tokens.weight" if model.lm_head is None else "model.lm_head.weight"
         quantized = timed(
-            f"quantize the weights to {quantize.name} (ONNX Runtime's MatMulNBits)",
+            f"quantize the weights to {quantize.layout} (ONNX Runtime's MatMulNBits)",
             lambda: quantize_graph(path, quantize, head),
         )
     genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales

@@ -84,7 +84,7 @@ def quantize_graph(path: Path, spec: QuantSpec, head_weight: str) -> dict[str, A
     quantized = sum(node.op_type == "MatMulNBits" for node in model.graph.node)
     if quantized != matmuls:
         raise AssertionError(f"{quantized} of the graph's {matmuls} weight MatMuls were quantized")
-    return {"name": spec.name, "op": "com.microsoft.MatMulNBits", "accuracy_level": ACCURACY_LEVEL, **layouts}
+    return {"name": spec.layout, "op": "com.microsoft.MatMulNBits", "accuracy_level": ACCURACY_LEVEL, **layouts}
 
 
 def _gemms_as_matmuls(model: Any) -> int:

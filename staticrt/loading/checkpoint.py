@@ -22,7 +22,7 @@ from ..models.decoder import Decoder, init_random, use_column_major_weights
 from ..models.packed_linear import pack, packs
 from ..models.presets import PRESETS
 from ..models.quant_spec import QuantSpec, parse_quantize
-from ..models.quantize import quantize_weights, quantized_dtype
+from ..models.quantize import kernels_for, quantize_weights, quantized_dtype
 from ..rope import inverse_frequencies
 from ..text.generation_config import read_generation_defaults
 from ..text.tokenizer import load_tokenizer
@@ -208,27 +208,21 @@ def load_model(
     """A preset name (`tiny-llama`, ...) or a Hugging Face checkpoint folder -> `Decoder` in
     inference mode. The folder's `tokenizer.json`, when present, is loaded as `model.tokenizer`.
 
-    `quantize` ("int8", "int4", "int4-g64", ...; see `staticrt.models.quantize`) stores the projections
-    and head in fewer bytes with torchao; the model then computes in bfloat16 unless `dtype` says
-    float16. `dtype` defaults to float32 for a float model. `device`: cpu, cuda or cuda:N. A
-    `.gguf` file loads from the folder it converts into once (`staticrt.loading.gguf_folders`).
+    `quantize` ("int8", "int4", "int8-wo", "int4-g64", ...; see `staticrt.models.quantize`) stores
+    the projections and head in fewer bytes: "int8" and "int4" in the kernels this device runs
+    fastest (`quantize.kernels_for`: staticrt's int8-activation kernels on a CPU that has them,
+    computing in float32; else torchao's), the others as they say; with torchao's the model computes
+    in bfloat16 unless `dtype` says float16. `dtype` defaults to float32 for a float model.
+    `device`: cpu, cuda or cuda:N. A `.gguf` file loads from the folder it converts into once
+    (`staticrt.loading.gguf_folders`).
     `packed`: a float model whose CPU graphs read its weights packed for oneDNN (`packed_linear.packs`)
     holds them packed only, the float matrices let go: for a process that owns the model and
     runs it on the compiled backend alone (it then neither exports, quantizes nor saves).
     """
     device = checked_device(device)
     path_or_preset = local_checkpoint(path_or_preset)
-    spec = parse_quantize(quantize)
     config = load_config(path_or_preset)
-    stored = stored_quantization(path_or_preset)
-    if stored is not None and spec not in (None, stored):
-        raise ConfigError(
-            f"{path_or_preset} holds {stored.name} weights kept from a GGUF (staticrt convert --keep-quantized), "
-            f"not quantize {spec.name!r}: leave quantize out (or pass {stored.name}), or convert the GGUF "
-            "without --keep-quantized to quantize the float weights otherwise"
-        )
-    spec = stored or spec
-    dtype = quantized_dtype(spec, None if dtype is None else resolve_dtype(dtype))
+    spec, dtype = _quantization(path_or_preset, config, quantize, device, dtype)
     if str(path_or_preset) in PRESETS:
         model = init_random(Decoder(config), seed=0).to(dtype=dtype, device=device)
         model.tokenizer = None
@@ -255,6 +249,29 @@ def load_model(
     model.tokenizer = load_tokenizer(folder)
     model.source = str(folder)
     return _ready(model, spec, kept, packed)
+
+
+def _quantization(
+    path_or_preset: str | Path,
+    config: ModelConfig,
+    quantize: str | None,
+    device: torch.device,
+    dtype: torch.dtype | str | None,
+) -> tuple[QuantSpec | None, torch.dtype]:
+    """The quantization `load_model` applies (what the folder keeps, or `quantize` with its kernels
+    chosen for `device`: "int8" kept as int8-wo is the same weights) and the dtype it computes in."""
+    spec = parse_quantize(quantize)
+    stored = stored_quantization(path_or_preset)
+    same_bits = spec is not None and stored is not None and spec.activations is None and spec.bits == stored.bits
+    if stored is not None and spec not in (None, stored) and not same_bits:
+        raise ConfigError(
+            f"{path_or_preset} holds {stored.name} weights kept from a GGUF (staticrt convert --keep-quantized), "
+            f"not quantize {spec.name!r}: leave quantize out (or pass {stored.name}), or convert the GGUF "
+            "without --keep-quantized to quantize the float weights otherwise"
+        )
+    spec, asked = stored or spec, None if dtype is None else resolve_dtype(dtype)
+    spec = spec and kernels_for(spec, device, asked, config)
+    return spec, quantized_dtype(spec, asked)
 
 
 def _ready(

@@ -75,7 +75,7 @@ def _kept_projections(source: Path) -> tuple[str, dict[str, Any]]:
     if len(specs) != 1 or None in specs:
         found = ", ".join(f"{count} {qtype}" for qtype, count in types.items()) or "none"
         raise CheckpointError(
-            f"--keep-quantized keeps projections that are all Q8_0 (as int8) or all Q4_0/Q4_1 (as int4-g32); "
+            f"--keep-quantized keeps projections that are all Q8_0 (as int8-wo) or all Q4_0/Q4_1 (as int4-g32); "
             f"{source.name}'s are {found}. Convert without --keep-quantized (float32 weights) and load with "
             "--quantize int8 or int4"
         )

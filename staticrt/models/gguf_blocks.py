@@ -24,7 +24,7 @@ import torch
 
 BLOCK = 32
 QUANT_METHOD = "staticrt_gguf"
-SPEC_OF = {"Q4_0": "int4-g32", "Q4_1": "int4-g32", "Q8_0": "int8"}  # GGUF type -> what it loads as
+SPEC_OF = {"Q4_0": "int4-g32", "Q4_1": "int4-g32", "Q8_0": "int8-wo"}  # GGUF type -> what it loads as
 FIELDS = ("codes", "scales", "mins")
 # llama.cpp's projection names -> transformers' (the same in the Llama, Mistral, Qwen2, Gemma2 files)
 PROJECTIONS = {

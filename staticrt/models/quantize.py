@@ -21,6 +21,7 @@ torch's kernels; the head is int8 in both.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..config import ModelConfig
 from ..errors import ConfigError
 from .gguf_blocks import BLOCK, Blocks, codes_of
 from .quant_spec import INT4_GROUP_SIZES, QuantSpec
@@ -58,6 +60,34 @@ def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.
             "weights; use --dtype bfloat16, or leave --dtype out (it then defaults to bfloat16)"
         )
     return dtype
+
+
+def kernels_for(
+    spec: QuantSpec, device: torch.device, dtype: torch.dtype | None, config: ModelConfig, build: bool = True
+) -> QuantSpec:
+    """`spec` with its kernels chosen where it leaves them to the device ("int8", "int4"): on a CPU
+    that runs staticrt's int8-activation kernels, those (SmolLM2, 2 threads: int8 1.6x llama.cpp's
+    Q8_0 speed and int4 1.9x its Q4_1's, where torchao's ran at 0.5x and 0.9x; docs/measurements.md),
+    else torchao's weight-only kernels: on CUDA, with `dtype` bfloat16 or float16 (staticrt's take
+    float32), where an input size is not a multiple of the bytes the kernels read a step, or where
+    the kernels cannot be built here (said in a warning; `build` False, as for `inspect`, which
+    only asks which kernels, does not try)."""
+    if spec.activations is not None:
+        return spec
+    from . import a8_kernels
+
+    sizes = (config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
+    a8 = device.type == "cpu" and dtype in (None, torch.float32) and all(s % a8_kernels.STEP == 0 for s in sizes)
+    chosen = dataclasses.replace(spec, activations=a8 and a8_kernels.unavailable() is None)
+    if chosen.activations and build:
+        try:
+            a8_kernels.load(chosen.name)
+        except ConfigError as err:
+            chosen = dataclasses.replace(spec, activations=False)
+            warnings.warn(
+                f"{err}. Until then quantize {spec.name!r} runs torchao's kernels ({chosen.name})", stacklevel=2
+            )
+    return chosen
 
 
 @contextmanager
