@@ -214,7 +214,7 @@ def test_int8_and_int4_take_the_kernels_this_device_runs_fastest(monkeypatch):
     from staticrt.loading.checkpoint import load_config
     from staticrt.models import a8_kernels
     from staticrt.models.quant_spec import QuantSpec, parse_quantize
-    from staticrt.models.quantize import kernels_for
+    from staticrt.models.quantize import kernels_for, quantize_weights
 
     config, cpu = load_config("tiny-llama"), torch.device("cpu")
     int8, int4 = parse_quantize("int8"), parse_quantize("int4")
@@ -228,6 +228,8 @@ def test_int8_and_int4_take_the_kernels_this_device_runs_fastest(monkeypatch):
     assert kernels_for(int8, cpu, None, dataclasses.replace(config, intermediate_size=96)).name == "int8-wo"
     assert kernels_for(int4, cpu, None, config, build=False).name == "int4-a8" and len(built) == 2
     assert kernels_for(QuantSpec(8), cpu, None, config) == QuantSpec(8)
+    bfloat16 = staticrt.load_model("tiny-llama", dtype="bfloat16")  # quantized as it is: torchao's
+    assert quantize_weights(bfloat16, int8).quantization.name == "int8-wo"
     monkeypatch.setattr(a8_kernels, "isa", lambda: None)
     assert kernels_for(int8, cpu, None, config).name == "int8-wo"
 

@@ -16,7 +16,8 @@ only gathered from, a row a token, and stays in the compute dtype.
 
 "int8-a8" and "int4-a8" are not torchao's: int8 or int4 weights times int8 activations in
 staticrt's own CPU kernels (a8_kernels.py; AVX512-VNNI or AVX2), computing in float32, faster than
-torch's kernels; the head is int8 in both.
+torch's kernels; the head is int8 in both. "int8" and "int4" are those on a CPU that runs them and
+torchao's elsewhere (`kernels_for`); torchao's by name are "int8-wo" and "int4-g32/g64/g128".
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     """
     config = model.config
     weight = model.embed_tokens.weight
-    quantized_dtype(spec, weight.dtype)  # refuses a model loaded in float32
+    spec = kernels_for(spec, weight.device, weight.dtype, config)  # "int8", "int4": the device's kernels
+    quantized_dtype(spec, weight.dtype)  # refuses a model loaded in float32 for torchao's
     if spec.activations:
         return _int8_activation_kernels(model, spec)
     if spec.bits == 4:
