@@ -106,8 +106,9 @@ def pack(model: Decoder, twin: bool) -> Decoder:
     as they are. `twin`: a new module tree (the model keeps its float weights, for other uses); else
     the model itself, packed in place (only what owns the model: it then runs on the CPU in float,
     and neither exports, quantizes nor saves), where a tied model's lookup reads its rows out of
-    the head's packed copy (`PackedLookup`), the only copy of the table held (SmolLM2's decode
-    step 14.0 against 19.8 ms with the head reading a column-major table, docs/measurements.md).
+    the head's packed copy (`PackedLookup`), the only copy of the table held (SmolLM2's `run`
+    decodes at 17.0-17.7 against 19.6-20.3 ms/token with the head reading a column-major table,
+    docs/measurements.md).
     Where oneDNN's layout is not the one `PackedLookup` reads, the one table stays for both,
     column-major as the head's product reads it. A float model only."""
     assert model.quantization is None, "a quantized model's linear layers are its kernels' own"
