@@ -67,8 +67,8 @@ def kernels_for(
     spec: QuantSpec, device: torch.device, dtype: torch.dtype | None, config: ModelConfig, build: bool = True
 ) -> QuantSpec:
     """`spec` with its kernels chosen where it leaves them to the device ("int8", "int4"): on a CPU
-    that runs staticrt's int8-activation kernels, those (SmolLM2, 2 threads: int8 1.6x llama.cpp's
-    Q8_0 speed and int4 1.9x its Q4_1's, where torchao's ran at 0.5x and 0.9x; docs/measurements.md),
+    that runs staticrt's int8-activation kernels, those (SmolLM2, 2 threads: int8 1.2-1.6x llama.cpp's
+    Q8_0 speed and int4 1.6-1.9x its Q4_1's, where torchao's ran at 0.5x and 0.9x; docs/measurements.md),
     else torchao's weight-only kernels: on CUDA, with `dtype` bfloat16 or float16 (staticrt's take
     float32), where an input size is not a multiple of the bytes the kernels read a step, or where
     the kernels cannot be built here (said in a warning; `build` False, as for `inspect`, which
