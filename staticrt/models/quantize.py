@@ -63,6 +63,12 @@ def quantized_dtype(spec: QuantSpec | None, dtype: torch.dtype | None) -> torch.
     return dtype
 
 
+def _input_sizes(config: ModelConfig) -> list[int]:
+    """The input sizes of a model's matrices, what a quantization block must divide: q/k/v,
+    gate/up and the head read the hidden size, o the heads' width, down the intermediate size."""
+    return sorted({config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size})
+
+
 def kernels_for(
     spec: QuantSpec, device: torch.device, dtype: torch.dtype | None, config: ModelConfig, build: bool = True
 ) -> QuantSpec:
@@ -77,8 +83,8 @@ def kernels_for(
         return spec
     from . import a8_kernels
 
-    sizes = (config.hidden_size, config.intermediate_size, config.num_heads * config.head_dim)
-    a8 = device.type == "cpu" and dtype in (None, torch.float32) and all(s % a8_kernels.STEP == 0 for s in sizes)
+    fits = all(size % a8_kernels.STEP == 0 for size in _input_sizes(config))
+    a8 = device.type == "cpu" and dtype in (None, torch.float32) and fits
     chosen = dataclasses.replace(spec, activations=a8 and a8_kernels.unavailable() is None)
     if chosen.activations and build:
         try:
@@ -155,7 +161,7 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     if spec.activations:
         return _int8_activation_kernels(model, spec)
     if spec.bits == 4:
-        sizes = sorted({m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)})
+        sizes = _input_sizes(config)
         fits = [g for g in INT4_GROUP_SIZES if all(size % g == 0 for size in sizes)]
         if spec.group_size not in fits:
             raise ConfigError(
@@ -196,7 +202,7 @@ def _int8_activation_kernels(model: nn.Module, spec: QuantSpec) -> nn.Module:
             f"{spec.name[:4]}"
         )
     linears = [(name, m) for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
-    sizes = sorted({m.in_features for _, m in linears} | {model.config.hidden_size})
+    sizes = _input_sizes(model.config)
     if any(size % STEP for size in sizes):
         raise ConfigError(
             f"quantize {spec.name!r} reads activations {STEP} bytes at a time, and this model's input sizes are "
