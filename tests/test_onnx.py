@@ -172,6 +172,21 @@ def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_ar
     assert (folder / "onnx" / "model.onnx.data").stat().st_size > 100_000  # weights live in external data
 
 
+def test_each_norm_and_rotary_embedding_is_one_standard_op(onnx_artifacts):
+    """torch writes an RMSNorm out as seven nodes and a rotary embedding as seven; the export makes
+    each one opset-23 node (exporters/onnx_fuse.py), in every family: Gemma2's `1 + w` norms and
+    sandwich norms, Qwen2's biased projections, sliding and hybrid caches alike."""
+    for (family, cache), folder in onnx_artifacts.items():
+        manifest = json.loads((folder / "manifest.json").read_text())
+        config = manifest["model"]["config"]
+        layers, per_layer = config["num_layers"], 4 if config["sandwich_norms"] else 2
+        assert manifest["onnx"]["fused"] == {"RMSNormalization": layers * per_layer + 1, "RotaryEmbedding": 2 * layers}
+        graph = onnx.load(str(folder / manifest["onnx"]["graph"]), load_external_data=False).graph
+        ops = [node.op_type for node in graph.node]
+        assert not {"Pow", "Reciprocal", "Neg"} & set(ops), (family, cache)
+        assert ops.count("Cos") == ops.count("Sin") == 1, (family, cache)  # the tables, once a step
+
+
 def test_genai_config_describes_the_graph(onnx_artifacts):
     config = json.loads((onnx_artifacts["gemma2", "hybrid"] / "genai_config.json").read_text())
     model, decoder = config["model"], config["model"]["decoder"]

@@ -248,13 +248,16 @@ def write_onnx(
     timed: Callable[[str, Callable[[], Any]], Any],
     quantize: QuantSpec | None = None,
 ) -> dict[str, Any]:
-    """Write the graph (checked with `onnx.checker`, full check, before any contrib op is in it),
-    with `quantize`'s weights if given, and genai_config.json into `folder`; return the manifest's
-    `onnx` field."""
+    """Write the graph (its norms and rotary embeddings fused, `onnx_fuse`; checked with
+    `onnx.checker`, full check, before any contrib op is in it), with `quantize`'s weights if
+    given, and genai_config.json into `folder`; return the manifest's `onnx` field."""
     import onnx
+
+    from .onnx_fuse import fuse_graph
 
     path = folder / GRAPH
     timed("trace and translate to ONNX", lambda: export_graph(model, cache, path))
+    fused = timed("fuse norms and rotary embeddings (RMSNormalization, RotaryEmbedding)", lambda: fuse_graph(path))
     timed("check the graph (onnx.checker, full_check)", lambda: onnx.checker.check_model(str(path), full_check=True))
     quantized = None
     if quantize is not None:
@@ -269,4 +272,4 @@ def write_onnx(
     if cache.parts == KVCache.parts:
         (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
         genai = GENAI_CONFIG
-    return {"onnx": {"graph": GRAPH, "genai_config": genai, "quantize": quantized, **graph_io(path)}}
+    return {"onnx": {"graph": GRAPH, "genai_config": genai, "quantize": quantized, "fused": fused, **graph_io(path)}}
