@@ -28,22 +28,27 @@ from staticrt.generation.generator import load_artifact
 PROMPT = [5, 17, 99, 3, 250, 31, 7]
 
 
-def dequantized(node: onnx.NodeProto, initializers: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """A MatMulNBits node's weight as floats `[N, K]`, and each element's scale `[N, K]`, from its
-    packed blocks `[N, K/block, block*bits/8]` (low nibble first), scales and uint zero points."""
+def dequantized(node: onnx.NodeProto, initializers: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+    """A MatMulNBits node's weight as floats `[N, K]`, each element's step `[N, K]`, and where a
+    symmetric grid's top code clips, from its packed blocks `[N, K/block, block*bits/8]` (low
+    nibble first), scales and uint zero points. Without zero points the grid is symmetric: each is
+    2^(bits-1) (the op's default), and the scale, negative where the block's largest magnitude is
+    positive, puts that weight at code 0; a weight of the other sign as large would lie one code
+    past the top and is clipped to it (within a step)."""
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
     n, k, bits, block = attrs["N"], attrs["K"], attrs["bits"], attrs["block_size"]
-    packed, scales, zeros = (initializers[name] for name in node.input[1:4])
+    packed, scales = (initializers[name] for name in node.input[1:3])
     blocks = -(-k // block)
-    if bits == 4:
-        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, blocks * block)
+    zeros = initializers[node.input[3]] if len(node.input) > 3 else np.full(n * blocks, 2 ** (bits - 1), np.uint8)
+    if bits == 4 and len(node.input) > 3:
         zeros = np.stack([zeros & 0x0F, zeros >> 4], axis=-1).reshape(n, -1)[:, :blocks]
-    else:
-        q = packed.reshape(n, blocks * block)
+    q = np.stack([packed & 0x0F, packed >> 4], axis=-1) if bits == 4 else packed
+    q = q.reshape(n, blocks * block)
     scales = scales.reshape(n, blocks)
     per_element = np.repeat(scales, block, axis=1)
     weight = (q.astype(np.float32) - np.repeat(zeros.reshape(n, blocks), block, axis=1)) * per_element
-    return weight[:, :k], per_element[:, :k]
+    clipped = (q == 2**bits - 1) & (len(node.input) == 3)
+    return weight[:, :k], np.abs(per_element[:, :k]), clipped[:, :k]
 
 
 def test_the_onnx_graph_holds_each_weight_in_matmulnbits_and_genai_runs_it(hf_checkpoints, tmp_path, capsys):
@@ -62,8 +67,8 @@ def test_the_onnx_graph_holds_each_weight_in_matmulnbits_and_genai_runs_it(hf_ch
         "name": "int4-g32",
         "op": "com.microsoft.MatMulNBits",
         "accuracy_level": 4,
-        "projections": {"bits": 4, "block_size": 32},
-        "head": {"bits": 8, "block_size": 64},
+        "projections": {"bits": 4, "block_size": 32, "symmetric": False},
+        "head": {"bits": 8, "block_size": 64, "symmetric": True},
     }
     graph = onnx.load(str(out / "onnx" / "model.onnx")).graph
     initializers = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
@@ -74,9 +79,10 @@ def test_the_onnx_graph_holds_each_weight_in_matmulnbits_and_genai_runs_it(hf_ch
     seen = {}
     for node in (node for node in graph.node if node.op_type == "MatMulNBits"):
         source = node.input[1].rsplit("_Q", 1)[0].removesuffix(".T")
-        weight, scale = dequantized(node, initializers)
+        weight, scale, clipped = dequantized(node, initializers)
         assert weight.shape == floats[source].shape, source
-        assert np.all(np.abs(weight - floats[source]) <= scale / 2 + 1e-6), source
+        error = np.abs(weight - floats[source])
+        assert np.all((error <= scale / 2 + 1e-6) | (clipped & (error <= scale + 1e-6))), source
         seen[source] = onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "bits"))
     projections = {name for name in floats if name.endswith("proj.weight")}
     assert seen == {**dict.fromkeys(projections, 4), "model.embed_tokens.weight": 8}
@@ -93,7 +99,7 @@ def test_bench_times_the_graph_quantized_from_the_float_weights():
     assert list(report["backends"]) == ["onnx-int8"] and list(report["weight_bytes_per_step"]) == ["none"]
     int8 = report["backends"]["onnx-int8"]
     assert int8["quantize"] == "int8" and len(int8["tokens"][0]) == 4
-    # int8 blocks of 64 with a float32 scale and a uint8 zero point each: 69 bytes for 256 in float32
+    # int8 blocks of 64 with a float32 scale each (symmetric: no zero points): 68 bytes for 256 in float32
     assert int8["weight_bytes_per_step"] < report["weight_bytes_per_step"]["none"] / 3
     assert int8["kernel"] == "ONNX Runtime com.microsoft.MatMulNBits (accuracy_level 4: int8 activations)"
 

@@ -14,14 +14,18 @@ and it runs them. `accuracy_level` 4 lets the CPU kernel quantize each block of 
 and multiply in integers: int8 weights without it fall back to a kernel that took 109 ms/token
 against 3.5 with it; at int4 it cost SmolLM2 no perplexity (14.81 against 14.75 without).
 
-What is quantized follows quantize.py: every projection to the spec (int4: its group size; int8:
-blocks of 64 inputs), and the head at int8 whatever the spec. The embedding stays float: it is
-gathered from, a row a token, never streamed whole. Int8 blocks of 32, 64 and 128 decode at the same
-speed within the machine's noise (SmolLM2: 17.8 / 18.7 ms/token at 32 / 64), and the activations'
-int8 blocks follow the weights': SmolLM2's perplexity over tests/data is +0.29% at 32, +0.62% at 64
-and +1.7% at 128 (its 576 inputs padded to 640; fp32 12.108). 64, because at 32 the greedy answer
-to "What is the capital of France?" began "L'Étoile, la Cité" where fp32, int4 and int8 at 64 say
-"The capital of France is Paris" (two other chat prompts: all four right).
+What is quantized follows quantize.py: every projection to the spec (int4: its group size, with a
+zero point a group; int8: blocks of 64 inputs, symmetric), and the head at int8 whatever the spec.
+The embedding stays float: it is gathered from, a row a token, never streamed whole. The
+activations' int8 blocks follow the weights', and they set the error: SmolLM2's perplexity over
+tests/data's whole text (2,211 predictions; fp32 12.108) is +0.16% at blocks of 32 with zero points
+(+0.72% without) and +0.90% at 64, the same with or without them (12.2167 / 12.2170); blocks of 128
+pad its 576 inputs to 640 and cost +1.7%. 64, symmetric: no zero point to stream (as many bytes a
+weight as llama.cpp's Q8_0), and ONNX Runtime's kernel over SmolLM2's weights alone takes 4.33 ms a
+step against 4.58 with zero points and 4.90 at blocks of 32 (2 threads; docs/measurements.md). At 32
+the greedy answer to "What is the capital of France?" once began "L'Étoile, la Cité" where fp32,
+int4 and int8 at 64 say "The capital of France is Paris" (two other chat prompts: all four right).
+Over the first 512 tokens alone every int8 layout is noisier: +1.3% at 64 symmetric, +0.74% at 32.
 
 The fast kernels take integer zero points only; float ones (ORT's HQQ quantizer) ran bench-llama at
 68 ms/token. So a model whose weights already sit on a 4-bit grid with a float minimum a group (a
@@ -67,13 +71,16 @@ def quantize_graph(path: Path, spec: QuantSpec, head_weight: str) -> dict[str, A
         raise AssertionError(f"{len(head)} Gemms multiply by the head's weight {head_weight!r}, not one")
     matmuls = _gemms_as_matmuls(model)
     layouts = {
-        "projections": {"bits": spec.bits, "block_size": spec.group_size or INT8_BLOCK},
-        "head": {"bits": 8, "block_size": INT8_BLOCK},
+        "projections": {"bits": spec.bits, "block_size": spec.group_size or INT8_BLOCK, "symmetric": spec.bits == 8},
+        "head": {"bits": 8, "block_size": INT8_BLOCK, "symmetric": True},
     }
     # The projections first (the head left out), then the one MatMul over a weight left: the head.
     for skip, layout in ((head, layouts["projections"]), ([], layouts["head"])):
         config = DefaultWeightOnlyQuantConfig(
-            block_size=layout["block_size"], is_symmetric=False, accuracy_level=ACCURACY_LEVEL, bits=layout["bits"]
+            block_size=layout["block_size"],
+            is_symmetric=layout["symmetric"],
+            accuracy_level=ACCURACY_LEVEL,
+            bits=layout["bits"],
         )
         quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=skip, algo_config=config)
         quantizer.process()
