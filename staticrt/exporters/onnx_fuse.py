@@ -2,15 +2,16 @@
 
 torch's exporter writes each RMSNorm out op by op (Pow, ReduceMean, Add, Sqrt, Reciprocal, Mul,
 Mul) and each rotary embedding too (two Slices, Neg, Concat, two Muls, Add): about 27 nodes a layer
-that ONNX Runtime runs one by one, since its own fusions look for other spellings (a Div for the
-reciprocal; contrib ops). `fuse_graph` rewrites each into one `RMSNormalization` or
-`RotaryEmbedding` node, which ONNX Runtime runs as one kernel on the CPU and on CUDA.
+that ONNX Runtime runs one by one (its graph optimizer, at its highest level, left every one of
+them in place: counted in the graph it writes with `optimized_model_filepath`). `fuse_graph`
+rewrites each into one `RMSNormalization` or `RotaryEmbedding` node, one kernel each in ONNX
+Runtime's CPU provider (its CUDA provider has both too; not yet run on a GPU).
 
-Why: a decode step of a small model is mostly these nodes' fixed costs where the weights are
-small. SmolLM2-135M exported with `--quantize int8`, 2 threads, decode ms/token, alternating
-processes beside llama.cpp Q8_0 (docs/measurements.md): 6.47-6.58 as written by torch, 5.54-5.92
-fused, Q8_0 5.69-5.94. Float graphs are fused too, and give the same tokens (tests/test_onnx.py
-against transformers).
+Why: in a small model's decode step these nodes cost what separated ONNX Runtime from llama.cpp.
+SmolLM2-135M exported with `--quantize int8`, 2 threads, decode ms/token, alternating processes
+beside llama.cpp Q8_0 (docs/measurements.md): 6.47-6.58 as written by torch, 5.54-5.92 fused, Q8_0
+5.69-5.94. Float graphs are fused too, and give the same tokens (tests/test_onnx.py against
+transformers).
 
 What is matched, exactly (anything else is left as it was, and counted out):
 - RMSNorm in float32: `Mul(s, Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps)))))`
@@ -34,20 +35,18 @@ FUSED_OPS = ("RMSNormalization", "RotaryEmbedding")
 class _Graph:
     """Who makes and who reads each value, and the values known without running the graph."""
 
-    def __init__(self, graph: Any) -> None:
+    def __init__(self, nodes: list[Any], initializers: Any) -> None:
         from onnx import numpy_helper
 
-        self.graph = graph
-        self.producer = {out: node for node in graph.node for out in node.output}
+        self.producer = {out: node for node in nodes for out in node.output}
         self.readers: dict[str, list[Any]] = {}
-        for node in graph.node:
+        for node in nodes:
             for name in node.input:
                 self.readers.setdefault(name, []).append(node)
-        self.dims = {init.name: list(init.dims) for init in graph.initializer}
-        self.constants = {
-            init.name: numpy_helper.to_array(init).tolist() for init in graph.initializer if not init.external_data
-        }
-        for node in graph.node:
+        self.dims = {init.name: list(init.dims) for init in initializers}
+        inline = [init for init in initializers if not init.external_data]
+        self.constants = {init.name: numpy_helper.to_array(init).tolist() for init in inline}
+        for node in nodes:
             if node.op_type == "Constant" and node.attribute[0].name == "value":
                 self.constants[node.output[0]] = numpy_helper.to_array(node.attribute[0].t).tolist()
 
@@ -178,25 +177,26 @@ def fuse_graph(path: Path) -> dict[str, int]:
     from onnx import helper
 
     model = onnx.load(str(path), load_external_data=False)
-    g = _Graph(model.graph)
+    nodes = list(model.graph.node)  # one list: nodes are told apart by id() below
+    g = _Graph(nodes, model.graph.initializer)
     replaced: dict[int, Any] = {}  # id(last node of a pattern) -> its fused node
     dropped: set[int] = set()
     tables: dict[str, Any] = {}  # f -> its half tables' producer (the nodes go in after it)
     counts: Counter[str] = Counter()
     matchers = {"Pow": _rms_norm, "Neg": _rotary}
-    for node in list(model.graph.node):
+    for node in nodes:
         match = matchers[node.op_type](g, node) if node.op_type in matchers else None
         if match is None or any(id(n) in dropped for n in match[0]):
             continue
-        nodes, fused, f = match
+        pattern, fused, f = match
         if f is not None:
             tables[f] = g.producer[f]
-        dropped.update(id(n) for n in nodes)
-        replaced[id(nodes[-1])] = fused
+        dropped.update(id(n) for n in pattern)
+        replaced[id(pattern[-1])] = fused
         counts[fused.op_type] += 1
     after = {id(producer): f for f, producer in tables.items()}
     rewritten = []
-    for node in model.graph.node:
+    for node in nodes:
         if id(node) in replaced:
             rewritten.append(replaced[id(node)])
         elif id(node) not in dropped:
