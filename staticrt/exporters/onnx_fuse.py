@@ -16,11 +16,13 @@ transformers).
 What is matched, exactly (anything else is left as it was, and counted out):
 - RMSNorm in float32: `Mul(s, Mul(x, Reciprocal(Sqrt(Add(ReduceMean(Pow(x, 2), [-1]), eps)))))`
   -> `RMSNormalization(x, s, axis=-1, epsilon=eps)`; `s` is the weight, or Gemma2's `1 + w`.
-  In bfloat16 or float16 the chain has Casts (transformers rounds between its steps), and stays.
+  A chain with a Cast inside it stays: Llama's in bfloat16 or float16, which rounds before the
+  weight as transformers does (Gemma2's multiplies in float32 and casts after: it fuses).
 - rotate_half: `Add(Mul(t, cos), Mul(Concat(Neg(t[..., h:]), t[..., :h]), sin))` over tables
   `cos = Unsqueeze(Cos(Concat(f, f)), 1)`, `sin` alike, where `f [B, S, h]` are the step's
   position x inverse-frequency products -> `RotaryEmbedding(t, Cos(f), Sin(f))`, non-interleaved,
   `t [B, H, S, 2h]` (the op's 4D layout; tables of the op's 3D form `[B, S, h]`, no position ids).
+  In bfloat16 or float16 the tables are cast before the Unsqueeze, and the pattern stays.
 """
 
 from __future__ import annotations
