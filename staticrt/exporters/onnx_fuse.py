@@ -144,6 +144,8 @@ def _slice_of(g: _Graph, name: str, start: int, end: int) -> str | None:
 
 def _rotary(g: _Graph, negate: Any) -> Match | None:
     """The rotate_half pattern around `negate`."""
+    from onnx import helper
+
     joined = g.sole_reader(negate, "Concat")
     if joined is None or list(joined.input)[:1] != [negate.output[0]] or len(joined.input) != 2:
         return None
@@ -162,14 +164,8 @@ def _rotary(g: _Graph, negate: Any) -> Match | None:
     if _half_table(g, _other(by_cos, t), "Cos") != f:
         return None
     halves = [g.producer[negate.input[0]], g.producer[joined.input[1]]]
-    fused_node = _make_rotary(t, f, total.output[0])
-    return [*halves, negate, joined, by_sin, by_cos, total], fused_node, f
-
-
-def _make_rotary(t: str, f: str, out: str) -> Any:
-    from onnx import helper
-
-    return helper.make_node("RotaryEmbedding", [t, f"{f}.cos", f"{f}.sin"], [out], interleaved=0)
+    fused = helper.make_node("RotaryEmbedding", [t, f"{f}.cos", f"{f}.sin"], [total.output[0]], interleaved=0)
+    return [*halves, negate, joined, by_sin, by_cos, total], fused, f
 
 
 def fuse_graph(path: Path) -> dict[str, int]:
@@ -183,7 +179,7 @@ def fuse_graph(path: Path) -> dict[str, int]:
     g = _Graph(nodes, model.graph.initializer)
     replaced: dict[int, Any] = {}  # id(last node of a pattern) -> its fused node
     dropped: set[int] = set()
-    tables: dict[str, Any] = {}  # f -> its half tables' producer (the nodes go in after it)
+    after: dict[int, str] = {}  # id(the node making f) -> f: its half tables go in right after it
     counts: Counter[str] = Counter()
     matchers = {"Pow": _rms_norm, "Neg": _rotary}
     for node in nodes:
@@ -192,11 +188,10 @@ def fuse_graph(path: Path) -> dict[str, int]:
             continue
         pattern, fused, f = match
         if f is not None:
-            tables[f] = g.producer[f]
+            after[id(g.producer[f])] = f
         dropped.update(id(n) for n in pattern)
         replaced[id(pattern[-1])] = fused
         counts[fused.op_type] += 1
-    after = {id(producer): f for f, producer in tables.items()}
     rewritten = []
     for node in nodes:
         if id(node) in replaced:
