@@ -108,7 +108,13 @@ def test_the_onnx_int8_graph_keeps_the_real_models_perplexity(smollm2, tmp_path)
     out = tmp_path / "int8"
     argv = ["export", "--model", str(smollm2), "--format", "onnx", "--quantize", "int8"]
     assert main([*argv, "--max-cache-len", str(len(ids)), "--out", str(out)]) == 0
-    session = onnxruntime.InferenceSession(str(out / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    # One thread: the 2,211-column step is long, and with two it stalls the other pytest worker's
+    # CPU-bound steps for seconds at a time (an eager 32-token prefill and a decode step beside it:
+    # up to 3.2 s with two threads, 0.6 s with one, 0.1 s alone), which that worker's timing checks feel.
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    graph = str(out / "onnx" / "model.onnx")
+    session = onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
     n = len(ids) - 1
     feed = {
         "input_ids": np.array([ids[:n]]),
