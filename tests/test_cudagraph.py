@@ -193,33 +193,76 @@ def test_cudagraph_speculative_sampling_draws_the_eager_tokens_for_a_seed(hf_che
     assert "verify_sample" in {key[1] for key in gen.backend.captured}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+# Where captured graphs replay: CUDA's own, and on the CPU their stand-in (`HostReplayBackend`),
+# which runs the backend's host side as on a GPU and so catches its defects without one.
+REPLAY_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA))]
+
+
+def replaying(hf_checkpoints, device: str, family: str, cache: str, model=None, **options) -> staticrt.Generator:
+    """A Generator whose steps replay captured graphs on `device` (128 positions)."""
+    model = model or staticrt.load_model(hf_checkpoints[family][0], device=device)
+    if device == "cuda":
+        return on_cuda(hf_checkpoints, family, cache, "cudagraph", model, **options)
+    return staticrt.Generator(cudagraph.HostReplayBackend(model, cache=cache, max_cache_len=128, **options))
+
+
+def eager_on(hf_checkpoints, device: str, family: str, cache: str, model=None, **options) -> staticrt.Generator:
+    model = model or staticrt.load_model(hf_checkpoints[family][0], device=device)
+    return staticrt.Generator(model, cache=cache, max_cache_len=128, backend="eager", **options)
+
+
+@pytest.mark.parametrize("device", REPLAY_DEVICES)
 @pytest.mark.parametrize("family,cache", SPECULATION_CASES)
-def test_cudagraph_conversation_keeps_its_prefix_and_gives_a_whole_prefills_tokens(hf_checkpoints, family, cache):
+def test_replayed_conversation_keeps_its_prefix_and_gives_a_whole_prefills_tokens(
+    hf_checkpoints, device, family, cache
+):
     """As `chat` runs it: each turn continues the row from what it holds (the continuing prefill
-    graphs, `starts_fresh` False), and answers what eager gives the whole conversation. Eager
-    continuing on CUDA is checked first: on an H200 (torch 2.11) every case failed on the second
-    turn, and which of the two this was is what the next GPU run should show."""
-    reference = on_cuda(hf_checkpoints, family, cache, "eager")
+    graphs, `starts_fresh` False, captured on the second turn while the row is live), and answers
+    what eager gives the whole conversation. On CUDA every case failed on the second turn: the
+    cudagraph step never marked its rows live, so `prepare` captured the continuing graph without
+    keeping the cache, and its dummy prefill overwrote the conversation."""
+    reference = eager_on(hf_checkpoints, device, family, cache)
     model = reference.backend.model
-    continuing = on_cuda(hf_checkpoints, family, cache, "eager", model, prefill_buckets=(16, 64))
-    gen = on_cuda(hf_checkpoints, family, cache, "cudagraph", model, prefill_buckets=(16, 64))
+    continuing = eager_on(hf_checkpoints, device, family, cache, model, prefill_buckets=(16, 64))
+    gen = replaying(hf_checkpoints, device, family, cache, model, prefill_buckets=(16, 64))
     chooser = torch.Generator().manual_seed(3)
     conversation = torch.randint(1, 256, (12,), generator=chooser).tolist()
     for turn in range(3):
         whole = reference.generate([conversation], 16)[0]
         assert continuing.generate([conversation], 16, reuse_prefix=True)[0] == whole, f"eager, turn {turn}"
         out = gen.generate([conversation], 16, reuse_prefix=True)[0]
-        assert out == whole, f"cudagraph, turn {turn}"
+        assert out == whole, f"replayed, turn {turn}"
         assert turn == 0 or gen.last_stats.kept[0] > len(conversation) // 2
+        # a linear cache's last step ran ahead and is still in hand when the next turn starts
+        assert (gen.backend.ahead is not None) == (cache == "static")
         conversation += out + torch.randint(1, 256, (5,), generator=chooser).tolist()
     assert {key[2] for key in gen.backend.captured} == {True, False}  # fresh and continuing steps
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
-def test_a_server_on_cudagraph_rows_answers_the_eager_tokens_with_drafts_verified(hf_checkpoints):
-    """Three requests at once in a 3-row cudagraph server that speculates: each greedy answer is
-    a lone eager generate's, the sampled one gets all it asked for, and drafts were verified."""
+@pytest.mark.parametrize("family,cache", SPECULATION_CASES)
+def test_building_a_graph_mid_conversation_leaves_the_rows_as_they_were(hf_checkpoints, family, cache):
+    """The capture contract's cache half, exactly: a graph first captured after rows hold a
+    conversation (a continuing prefill, a verify step) runs for real in its warm-up and first
+    replay, and must leave every cache buffer bitwise as it was."""
+    gen = replaying(hf_checkpoints, "cpu", family, cache, prefill_buckets=(16, 64))
+    gen.generate([repeating_prompt(1)], 20)
+    held = [buffer.clone() for buffer in gen.backend.cache.state_buffers()]
+    assert gen.backend.unbuilt((16, 64), False, continuing=True, fresh=False) == {
+        (16, "greedy", False),
+        (64, "greedy", False),
+    }
+    gen.backend.prepare((16, 64), False, continuing=True, fresh=False)
+    gen.backend.prepare((4,), False, continuing=True, fresh=False, verify=True)
+    assert {key for key in gen.backend.captured if not key[2]} >= {(16, "greedy", False), (4, "verify", False)}
+    assert all(torch.equal(a, b) for a, b in zip(held, gen.backend.cache.state_buffers(), strict=True))
+
+
+@pytest.mark.parametrize("device", REPLAY_DEVICES)
+def test_a_server_on_replayed_rows_answers_the_eager_tokens_and_continues_a_conversation(hf_checkpoints, device):
+    """Three requests at once in a 3-row server of replayed graphs that speculates: each greedy
+    answer is a lone eager generate's, the sampled one gets all it asked for, and drafts were
+    verified. Then the first conversation's next turn keeps its row's prefix and answers what
+    eager gives the whole conversation."""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     import concurrent.futures
 
@@ -228,10 +271,11 @@ def test_a_server_on_cudagraph_rows_answers_the_eager_tokens_with_drafts_verifie
 
     from staticrt.serve import serve_backend
 
-    reference = on_cuda(hf_checkpoints, "mistral-sw16", "sliding", "eager")
+    reference = eager_on(hf_checkpoints, device, "mistral-sw16", "sliding")
+    model = reference.backend.model
     asks = [(repeating_prompt(1), 0.0), (repeating_prompt(3) * 2, 0.0), (repeating_prompt(2), 1.0)]
-    rows = on_cuda(hf_checkpoints, "mistral-sw16", "sliding", "cudagraph", reference.backend.model, max_batch_size=3)
-    prefiller = on_cuda(hf_checkpoints, "mistral-sw16", "sliding", "cudagraph", reference.backend.model)
+    rows = replaying(hf_checkpoints, device, "mistral-sw16", "sliding", model, max_batch_size=3)
+    prefiller = replaying(hf_checkpoints, device, "mistral-sw16", "sliding", model)
     app, _ = serve_backend(rows.backend, name="tiny", prefiller=prefiller.backend, speculative="ngram:4")
     with running(app) as url:
         api = client(url)
@@ -242,8 +286,12 @@ def test_a_server_on_cudagraph_rows_answers_the_eager_tokens_with_drafts_verifie
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             got = list(pool.map(ask, asks))
+        next_turn = asks[0][0] + got[0] + [9, 4, 61, 2]
+        continued = ask((next_turn, 0.0))
         metrics = httpx.get(f"{url}/metrics").text
     assert got[:2] == [reference.generate([ids], 40)[0] for ids, _ in asks[:2]]
     assert len(got[2]) == 40
-    drafted = next(line for line in metrics.splitlines() if line.startswith("staticrt_draft_tokens_total"))
-    assert float(drafted.split()[-1]) > 0
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("staticrt_")}
+    assert counts["staticrt_draft_tokens_total"] > 0
+    assert continued == reference.generate([next_turn], 40)[0]
+    assert counts["staticrt_prefix_hits_total"] >= 1 and counts["staticrt_prefix_reused_tokens_total"] > len(asks[0][0])

@@ -22,8 +22,10 @@ for real, the cache and the static inputs are saved before and restored after. A
 generation allocates no device memory.
 
 Without CUDA, `backend="cudagraph"` warns once and runs the compiled path, so a script written
-for a GPU still runs on a CPU. Backend "reduce-overhead" is `torch.compile(mode="reduce-overhead")`
-(inductor's own CUDA graphs) for comparison.
+for a GPU still runs on a CPU. `HostReplayBackend` runs this backend's host side on any device
+instead, each graph replayed by calling what it captured (graph_capture.py): the tests check the
+capture contract with it on a CPU. Backend "reduce-overhead" (reduce_overhead.py) is inductor's
+own CUDA graphs, for comparison.
 """
 
 from __future__ import annotations
@@ -36,8 +38,16 @@ import torch
 
 from ..generation.loop import SamplingParams, per_row
 from .compiled import CompiledBackend
-from .eager import StepFn, choice_candidates, starts_fresh, step_choice, verifies
-from .graph_capture import CapturedGraph, replay_gpu_s, same_inputs, uniform_input, warm_and_capture
+from .eager import EagerBackend, StepFn, choice_candidates, starts_fresh, step_choice, verifies
+from .graph_capture import (
+    CapturedGraph,
+    HostEvent,
+    new_graph,
+    replay_gpu_s,
+    same_inputs,
+    uniform_input,
+    warm_and_capture,
+)
 
 _WARNED = False
 
@@ -65,6 +75,7 @@ class CudaGraphBackend(CompiledBackend):
     # (torch's mm decomposition, taken with coordinate descent tuning; gpt-fast's setting).
     matvec_options: dict[str, Any] = {"options": {"coordinate_descent_tuning": True}}
     run_ahead = True  # launch greedy decode's next replay before reading this step's ids (module docstring)
+    host_replay = False  # capture and replay off CUDA too (`HostReplayBackend`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,13 +83,15 @@ class CudaGraphBackend(CompiledBackend):
         self.captured: dict[tuple[int, str, bool], CapturedGraph] = {}
         self.reorder_graph: CapturedGraph | None = None
         self.decode_from: np.ndarray | None = None  # write_index of the last generation's first decode step
-        if self.device.type != "cuda":
+        on_cuda = self.device.type == "cuda"
+        self.captures = on_cuda or self.host_replay  # whether steps replay captured graphs
+        if not self.captures:
             _warn_no_cuda(self.device)
             self.compile_options = CompiledBackend.compile_options
             return
-        self.pool = torch.cuda.graph_pool_handle()  # one pool for every graph
-        self.host_ids = torch.empty(self.batch_size, dtype=torch.int64, pin_memory=True)
-        self.copied = torch.cuda.Event()  # the step's ids are in `host_ids`
+        self.pool = torch.cuda.graph_pool_handle() if on_cuda else None  # one pool for every graph
+        self.host_ids = torch.empty(self.batch_size, dtype=torch.int64, pin_memory=on_cuda)
+        self.copied = torch.cuda.Event() if on_cuda else HostEvent()  # the step's ids are in `host_ids`
         self.ahead: tuple[np.ndarray, np.ndarray] | None = None  # (ids [B, 1], write_index [B]) of a replay in flight
         self.decodes = 0  # greedy decode steps in a row: the loop runs ahead from the second on
         self.linear_cache = not self.rotating_layouts  # a step ahead's column is never read (module docstring)
@@ -91,8 +104,9 @@ class CudaGraphBackend(CompiledBackend):
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
-        if self.device.type != "cuda":
+        if not self.captures:
             return super().step(input_ids, write_index, num_new, sampling, uniforms)
+        self.live = True  # rows now hold tokens a later step may continue: `prepare` keeps them
         batch, seq_len = input_ids.shape
         if seq_len == 1 and self.decode_from is None:
             self.decode_from = write_index.copy()
@@ -137,7 +151,7 @@ class CudaGraphBackend(CompiledBackend):
         uniforms: np.ndarray | None,
     ) -> Any:
         """Replay the step's graph (captured on first use) and return its static output buffers."""
-        if self.device.type != "cuda":
+        if not self.captures:
             return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
         self.ahead, self.decodes = None, 0  # a replay in flight is not this one (its buffers: `expected` None)
         seq_len = input_ids.shape[1]
@@ -156,14 +170,18 @@ class CudaGraphBackend(CompiledBackend):
             return self.matvec_options
         return super().graph_options(seq_len, layers_once)
 
+    def graph_choice(self, choice: str) -> str:
+        """Captured graphs keep one graph a choice (a replay cannot branch on its data)."""
+        return choice if self.captures else super().graph_choice(choice)
+
     def reorder_rows(self, rows: np.ndarray) -> None:
         """Beam search's in-place reorder of the cache rows, as a captured graph on CUDA. Warm-up
         and capture run it with `rows` the identity, which leaves the cache as it is."""
-        if self.device.type != "cuda":
+        if not self.captures:
             return super().reorder_rows(rows)
         if self.reorder_graph is None:
             buffer = torch.arange(self.batch_size, device=self.device)
-            entry = CapturedGraph(torch.cuda.CUDAGraph(), {"rows": buffer}, None)
+            entry = CapturedGraph(new_graph(self.device), {"rows": buffer}, None)
             reorder = lambda: self.cache.reorder_cache(buffer)  # noqa: E731
             warm_and_capture(entry, reorder, self.cache, self.pool, self.device)
             self.reorder_graph = entry
@@ -180,7 +198,7 @@ class CudaGraphBackend(CompiledBackend):
         later generation may continue those rows (`reuse_prefix`)."""
         report = super().report()
         decode = self.captured.get((1, "greedy", False))
-        if decode is not None and self.decode_from is not None:
+        if decode is not None and self.decode_from is not None and self.device.type == "cuda":
             with self.cache.kept():
                 report["graph_gpu_ms"] = 1000 * replay_gpu_s(decode, self.decode_from)
             decode.expected, self.ahead = None, None  # the replays left other inputs in its buffers
@@ -241,7 +259,7 @@ class CudaGraphBackend(CompiledBackend):
             output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
         else:  # a token a row, or after every position of a verify step
             output = torch.zeros((batch, seq_len) if verifies(choice) else batch, dtype=torch.int64, device=dev)
-        entry = CapturedGraph(torch.cuda.CUDAGraph(), {n: v for n, v in inputs.items() if v is not None}, output)
+        entry = CapturedGraph(new_graph(dev), {n: v for n, v in inputs.items() if v is not None}, output)
         feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
 
         def run() -> None:
@@ -260,12 +278,15 @@ class CudaGraphBackend(CompiledBackend):
         return entry
 
 
-class ReduceOverheadBackend(CompiledBackend):
-    """`torch.compile(mode="reduce-overhead")`: inductor captures and replays CUDA graphs itself."""
+class HostReplayBackend(CudaGraphBackend):
+    """The cudagraph backend's host side on any device, each graph a `HostGraph` that replays by
+    calling what it captured: which graph a step replays, what its static buffers hold, the step
+    run ahead and the cache kept around warm-ups run as on a GPU, so a CPU test sees their
+    defects. Its steps run eagerly: the contract is what a replay reads, not how the step computes,
+    and a test of it then compiles nothing."""
 
-    name = "reduce-overhead"
-    compile_options = {"mode": "reduce-overhead"}
+    name = "cudagraph-host"
+    host_replay = True
 
-    def past_guards(self, graph: StepFn) -> StepFn:
-        """Always through dynamo: inductor's CUDA-graph trees run inside dynamo's call wrapper."""
-        return graph
+    def step_function(self, seq_len: int, choice: str, fresh: bool) -> StepFn:
+        return EagerBackend.step_function(self, seq_len, choice, fresh)

@@ -1,10 +1,19 @@
 """CUDA graphs as the cudagraph backend keeps them: a captured step with its static buffers, its
-capture after a warm-up that leaves the cache as it was, and the GPU time of its replays."""
+capture after a warm-up that leaves the cache as it was, and the GPU time of its replays.
+
+`HostGraph` and `HostEvent` stand in for a CUDA graph and event on a device without them, so that
+the backend's host side (which graph a step replays, what its buffers hold, the step run ahead,
+the cache kept around warm-ups) runs on a CPU exactly as on a GPU: a replay calls what capture
+kept, which reads the graph's static buffers and the Python values bound at capture, as a CUDA
+graph's kernels do. A conversation continued on a GPU gave wrong tokens that no CPU test saw,
+because the CPU ran the compiled path instead; this is how a CPU test sees such a defect.
+"""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +26,38 @@ from .eager import VERIFY_SAMPLE
 
 @dataclass
 class CapturedGraph:
-    graph: torch.cuda.CUDAGraph
+    graph: Any  # torch.cuda.CUDAGraph, or off CUDA its stand-in `HostGraph`
     inputs: dict[str, torch.Tensor]  # static buffers the graph reads, by step argument name
     output: Any  # on the device: [B] int64 chosen ids, or a beam step's ([B, k] float32, [B, k] int64)
     expected: tuple[np.ndarray, np.ndarray] | None = None  # decode: (ids, write_index) its buffers hold next
     params: tuple[tuple[Any, ...], ...] | None = None  # sampling parameters its buffers hold, a row each
+
+
+class HostGraph:
+    """A CUDA graph's stand-in off CUDA: `capture` keeps the step, `replay` runs it again."""
+
+    def __init__(self) -> None:
+        self.captured: Callable[[], None] | None = None
+
+    def replay(self) -> None:
+        assert self.captured is not None, "replay of a graph never captured"
+        with torch.no_grad():
+            self.captured()
+
+
+class HostEvent:
+    """A CUDA event's stand-in off CUDA, where every step has finished when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def new_graph(dev: torch.device) -> torch.cuda.CUDAGraph | HostGraph:
+    """An empty graph to capture into on `dev`: CUDA's own, or its stand-in."""
+    return torch.cuda.CUDAGraph() if dev.type == "cuda" else HostGraph()
 
 
 def same_inputs(held: tuple[np.ndarray, np.ndarray], input_ids: np.ndarray, write_index: np.ndarray) -> bool:
@@ -47,18 +83,24 @@ def warm_and_capture(
 ) -> None:
     """Run `run` twice on a side stream of `dev` (compiling what it calls), capture it into
     `entry.graph` in memory pool `pool`, and put back the `cache` state the warm-up runs changed;
-    `load` refills the inputs first."""
+    `load` refills the inputs first. Off CUDA the warm-up runs as it is and `entry.graph` (a
+    `HostGraph`) keeps `run`."""
+    on_cuda = dev.type == "cuda"
     with cache.kept():
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.no_grad(), torch.cuda.stream(side):
+        side = torch.cuda.Stream(dev) if on_cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.no_grad(), torch.cuda.stream(side) if side is not None else nullcontext():
             for _ in range(2):
                 if load is not None:
                     load()
                 run()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.no_grad(), torch.cuda.graph(entry.graph, pool=pool):
-            run()
+        if side is None:
+            entry.graph.captured = run
+        else:
+            torch.cuda.current_stream(dev).wait_stream(side)
+            with torch.no_grad(), torch.cuda.graph(entry.graph, pool=pool):
+                run()
     if load is not None:
         load()
 

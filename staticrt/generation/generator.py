@@ -42,7 +42,7 @@ BACKENDS = {
         BackendEntry("eager", "model", "eager", "EagerBackend"),
         BackendEntry("compiled", "model", "compiled", "CompiledBackend"),
         BackendEntry("cudagraph", "model", "cudagraph", "CudaGraphBackend", cuda_only=True),
-        BackendEntry("reduce-overhead", "model", "cudagraph", "ReduceOverheadBackend", cuda_only=True),
+        BackendEntry("reduce-overhead", "model", "reduce_overhead", "ReduceOverheadBackend", cuda_only=True),
         # artifact backends, in the order a default is picked (FORMATS' order)
         BackendEntry("aoti", "artifact", "exported", "ExportedBackend"),
         BackendEntry("pt2", "artifact", "exported", "ExportedBackend"),
