@@ -1,47 +1,83 @@
 """Model and cache configuration: one dataclass for every supported family.
 
-A `ModelConfig` is read from a Hugging Face `config.json` or taken from the table of built-in
-presets (gpt-fast style), so the model code never looks at a raw config dict.
+A `ModelConfig` holds the switches the one decoder reads (where its norms sit, what its attention
+adds, which rotary embedding each layer takes). loading/hf_config.py fills them from a transformers
+`config.json` through the family table (loading/families.py); the built-in presets fill them
+directly (gpt-fast style). The model code never looks at a raw config dict.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, as_int, as_real, read_json_object
+from .errors import ConfigError, as_int, as_real
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma2")
+# transformers' model_type of each family the decoder runs (loading/families.py has a row for each)
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "gemma2",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "smollm3",
+    "olmo2",
+    "olmo3",
+    "granite",
+    "ministral3",
+)
 LAYER_KINDS = ("full_attention", "sliding_attention")
-# The MLP activations models/decoder.py implements, by transformers' names: silu (and its alias swish), and
+# The MLP activations models/feed_forward.py implements, by transformers' names: silu (and its alias swish), and
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
+QK_NORMS = ("head", "width")  # q/k RMSNorm over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2)
 
 
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters after normalising the old (`rope_scaling`) and new
-    (`rope_parameters`) spellings of transformers' config.json."""
+    (`rope_parameters`) spellings of transformers' config.json; each kind's numbers as
+    transformers' modeling_rope_utils reads them, resolved once (`attention_factor` included)."""
 
     theta: float = 10000.0
-    kind: str = "default"  # default | linear | llama3
+    kind: str = "default"  # ROPE_KINDS
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: the frequencies between these rotation counts are blended
+    beta_slow: float = 1.0
+    truncate: bool = True
+    # longrope: divisors of each frequency, for steps within original_max_position_embeddings and past it
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn, longrope)
+    # Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings))
+    query_scale_beta: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+        if self.kind not in ROPE_KINDS:
+            raise ConfigError(
+                f"rope type {self.kind!r} is not supported; staticrt implements {', '.join(ROPE_KINDS)} "
+                "(running it as another would give wrong tokens)"
+            )
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
             _check_positive(self, f"rope {name}", name)
         as_int(self.original_max_position_embeddings, "rope original_max_position_embeddings", 1, ConfigError)
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ConfigError(
                 f"rope high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
                 f"({self.low_freq_factor}): llama3 scaling blends between them; restore config.json"
             )
+        if self.kind == "longrope" and not (self.short_factor and self.long_factor):
+            raise ConfigError("rope type longrope needs short_factor and long_factor lists; restore config.json")
 
 
 def _check_positive(owner: Any, label: str, name: str, zero: bool = False) -> None:
@@ -85,6 +121,17 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # What the families of 2025-26 add; neutral values for the others.
+    rope_local: RopeConfig | None = None  # the sliding layers' rotary where it differs (Gemma 3's local base)
+    rotary_dim: int = 0  # leading dims of each head that rotate (Phi's partial_rotary_factor); 0: head_dim
+    nope_layers: tuple[int, ...] = ()  # layers without a rotary embedding (SmolLM3)
+    qk_norm: str | None = None  # QK_NORMS: RMSNorm of q and k before the rotary
+    norm_weight_in_float32: bool = False  # RMSNorm multiplies by w before the cast back (OLMo 2; Gemma's 1 + w too)
+    post_norms: bool = False  # norms on the attention's and the MLP's outputs, none on their inputs (OLMo 2)
+    embedding_multiplier: float = 1.0  # Granite's four multipliers
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # the attention scale, in place of 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # logits are divided by it
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -114,10 +161,62 @@ class ModelConfig:
             raise ConfigError(f"layer_types holds {bad}; staticrt knows {list(LAYER_KINDS)}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+        self._check_additions()
+
+    def _check_additions(self) -> None:
+        """The later families' switches: each in its range, before a weight is read."""
+        rotary = self.rotary_dim or self.head_dim
+        if not 0 < rotary <= self.head_dim or (rotary < self.head_dim and rotary % 2):
+            raise ConfigError(
+                f"the rotary width ({rotary}, head_dim x partial_rotary_factor) must be even and at most "
+                f"head_dim ({self.head_dim}); restore config.json"
+            )
+        object.__setattr__(self, "rotary_dim", rotary)
+        object.__setattr__(self, "nope_layers", tuple(sorted({int(i) for i in self.nope_layers})))
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ConfigError(f"nope_layers {list(self.nope_layers)} names layers outside 0..{self.num_layers - 1}")
+        if self.qk_norm not in (None, *QK_NORMS):
+            raise ConfigError(f"qk_norm {self.qk_norm!r} is not one of {list(QK_NORMS)}")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            _check_positive(self, name, name)
+        if self.attention_multiplier is not None:
+            _check_positive(self, "attention_multiplier", "attention_multiplier")
+        for rope in (self.rope, self.rope_local):
+            if rope is not None and rope.kind == "longrope":
+                sizes = {len(rope.short_factor), len(rope.long_factor)}
+                if sizes != {rotary // 2}:
+                    raise ConfigError(
+                        f"longrope short_factor and long_factor must each hold rotary width / 2 = {rotary // 2} "
+                        f"values (they hold {len(rope.short_factor)} and {len(rope.long_factor)}); restore config.json"
+                    )
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> RopeConfig | None:
+        """The rotary embedding layer `layer` applies; None for a layer without one."""
+        if layer in self.nope_layers:
+            return None
+        if self.rope_local is not None and self.layer_types[layer] == "sliding_attention":
+            return self.rope_local
+        return self.rope
+
+    @property
+    def rope_restart(self) -> int | None:
+        """The position at which a sequence is computed again from position 0: LongRoPE's switch to
+        its long factors once a sequence passes its pretraining length, as transformers makes it
+        (rope.py, generation/prefill.py); None for every other rotary embedding."""
+        switches = {r.original_max_position_embeddings for r in self.ropes if r.kind == "longrope"}
+        return min(switches) if switches else None
+
+    @property
+    def ropes(self) -> tuple[RopeConfig, ...]:
+        """The distinct rotary embeddings the layers apply, in layer order: a step computes each
+        one's tables once, for every layer that takes it."""
+        return tuple(dict.fromkeys(r for i in range(self.num_layers) if (r := self.layer_rope(i)) is not None))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -126,165 +225,8 @@ class ModelConfig:
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         data = dict(data)
         data["rope"] = RopeConfig(**data.get("rope", {}))
-        data["layer_types"] = tuple(data.get("layer_types", ()))
-        data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+        if data.get("rope_local") is not None:
+            data["rope_local"] = RopeConfig(**data["rope_local"])
+        for name in ("layer_types", "eos_token_ids", "nope_layers"):
+            data[name] = tuple(data.get(name, ()))
         return cls(**data)
-
-
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ConfigError(f"rope type {kind!r} is not supported; staticrt implements default, linear and llama3")
-    return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-        ),
-    )
-
-
-def _layer_types_from_hf(family: str, cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
-    """Which layers attend through a sliding window, as transformers decides it."""
-    if cfg.get("layer_types"):
-        return tuple(cfg["layer_types"])
-    window = cfg.get("sliding_window")
-    if family == "gemma2":
-        return tuple("sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers))
-    if family == "qwen2":
-        if not cfg.get("use_sliding_window") or not window:
-            return ("full_attention",) * num_layers
-        first = int(cfg.get("max_window_layers", num_layers))
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
-    if family == "mistral" and window:
-        return ("sliding_attention",) * num_layers
-    return ("full_attention",) * num_layers
-
-
-def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Translate a transformers config.json dict; unknown architectures are refused by name."""
-    family = cfg.get("model_type")
-    if family not in FAMILIES:
-        raise ConfigError(
-            f"{source}: model_type {family!r} is not supported; staticrt runs {', '.join(FAMILIES)} checkpoints"
-        )
-    try:
-        return _config_from_hf(family, cfg, source)
-    except ConfigError as err:
-        message = str(err)
-        raise ConfigError(message if message.startswith(source) else f"{source}: {message}") from None
-    except (TypeError, ValueError) as err:  # a field of the wrong JSON type (a string for a number, ...)
-        raise ConfigError(f"{source}: a field has a value of the wrong type ({err}); restore config.json") from None
-
-
-def _size(cfg: dict[str, Any], name: str, default: int | None = None) -> int:
-    """A required (or defaulted) positive integer field of config.json, named as config.json names it."""
-    if cfg.get(name) is None:
-        if default is None:
-            raise ConfigError(f"required field {name} is missing")
-        return default
-    return as_int(cfg[name], f"field {name}", 1, ConfigError)
-
-
-def _config_from_hf(family: str, cfg: dict[str, Any], source: str) -> ModelConfig:
-    hidden, heads = _size(cfg, "hidden_size"), _size(cfg, "num_attention_heads")
-    layers = _size(cfg, "num_hidden_layers")
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(int(t) for t in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    is_gemma = family == "gemma2"
-    layer_types = _layer_types_from_hf(family, cfg, layers)
-    uses_window = "sliding_attention" in layer_types
-    # transformers' defaults: Gemma2 names it hidden_activation (gelu, tanh form), the others hidden_act (silu)
-    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or ("gelu_pytorch_tanh" if is_gemma else "silu")
-    return ModelConfig(
-        family=family,
-        vocab_size=_size(cfg, "vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=_size(cfg, "intermediate_size"),
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=_size(cfg, "num_key_value_heads", heads),
-        head_dim=_size(cfg, "head_dim", hidden // heads),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(cfg),
-        max_position_embeddings=_size(cfg, "max_position_embeddings", 8192),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", is_gemma)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        qkv_bias=family == "qwen2",
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        hidden_act=activation,
-        norm_offset=1.0 if is_gemma else 0.0,
-        scale_embeddings=is_gemma,
-        sandwich_norms=is_gemma,
-        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if is_gemma else None,
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if is_gemma else None,
-        final_logit_softcapping=cfg.get("final_logit_softcapping") if is_gemma else None,
-        sliding_window=_size(cfg, "sliding_window") if uses_window else None,
-        layer_types=layer_types,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        pad_token_id=cfg.get("pad_token_id"),
-    )
-
-
-def config_to_hf(config: ModelConfig) -> dict[str, Any]:
-    """The transformers config.json that describes the same model: `config_from_hf`'s inverse, so
-    presets run in transformers (the benchmark's `hf` backend)."""
-    rope: dict[str, Any] = {"rope_type": config.rope.kind, "rope_theta": config.rope.theta}
-    if config.rope.kind != "default":
-        rope["factor"] = config.rope.factor
-    if config.rope.kind == "llama3":
-        rope.update(
-            low_freq_factor=config.rope.low_freq_factor,
-            high_freq_factor=config.rope.high_freq_factor,
-            original_max_position_embeddings=config.rope.original_max_position_embeddings,
-        )
-    cfg = {
-        "model_type": config.family,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": rope,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
-        "mlp_bias": config.mlp_bias,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": 0,
-    }
-    if config.sliding_window is not None:
-        cfg["sliding_window"] = config.sliding_window
-        if config.family != "mistral":  # Mistral windows every layer and takes no layer_types
-            cfg["layer_types"] = list(config.layer_types)
-    if config.family == "gemma2":
-        cfg.update(
-            hidden_activation=config.hidden_act,
-            query_pre_attn_scalar=config.query_pre_attn_scalar,
-            attn_logit_softcapping=config.attn_logit_softcapping,
-            final_logit_softcapping=config.final_logit_softcapping,
-        )
-    else:
-        cfg["hidden_act"] = config.hidden_act
-    if config.family == "qwen2":
-        cfg["use_sliding_window"] = config.sliding_window is not None
-    return cfg
-
-
-def load_hf_config(folder: Path) -> ModelConfig:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{folder}: no config.json; a Hugging Face checkpoint folder needs one")
-    return config_from_hf(read_json_object(path, ConfigError, "restore its config.json"), source=str(path))

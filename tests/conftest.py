@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("STATICRT_HYPOTHESIS", "ci"))
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_models import save_hf_model  # noqa: E402
+from hf_models import NEW_FAMILIES, save_hf_model  # noqa: E402
 
 from staticrt.cli.main import main  # noqa: E402
 
@@ -54,7 +54,8 @@ def hf_checkpoints(tmp_path_factory):
     pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
     root = tmp_path_factory.mktemp("hf")
     return {
-        fam: (root / fam, save_hf_model(fam, root / fam)) for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16")
+        fam: (root / fam, save_hf_model(fam, root / fam))
+        for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES
     }
 
 

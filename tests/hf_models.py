@@ -54,11 +54,67 @@ def family_config(family: str, **overrides):
         cfg = tf.Qwen2Config(**{**COMMON, "num_key_value_heads": 1})
     elif family == "gemma2":
         cfg = tf.Gemma2Config(**COMMON, head_dim=16, sliding_window=16, query_pre_attn_scalar=16)
+    elif family in NEW_FAMILIES:
+        cfg = new_family_config(tf, family)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
+
+
+# The families of issue 63, each varied where its real checkpoints vary: GQA and MQA, head sizes
+# apart from hidden / heads (odd multiples of 4), tied and untied heads, its rotary kind and its
+# layer pattern. Lengths past 32 cross each long-context rotary's pretraining length.
+NEW_FAMILIES = ("qwen3", "gemma3_text", "phi3", "smollm3", "olmo2", "olmo3", "granite", "ministral3")
+LONGROPE = dict(short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5], long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0])
+
+
+def new_family_config(tf, family: str):
+    common = {**COMMON, "max_position_embeddings": 128}  # yarn's and longrope's factor: 128 / 32
+    if family == "qwen3":  # MQA, head_dim 24 (not hidden / heads), tied as Qwen3-0.6B
+        return tf.Qwen3Config(**{**common, "num_key_value_heads": 1}, head_dim=24, tie_word_embeddings=True)
+    if family == "gemma3_text":  # sliding then full, a linear-scaled global rotary, a local base of its own
+        return tf.Gemma3TextConfig(
+            **common,
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        )
+    if family == "phi3":  # Phi-4-mini's partial rotary (0.75 of 16: 12 dims) and longrope
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, **LONGROPE}
+        return tf.Phi3Config(**common, original_max_position_embeddings=32, rope_parameters=rope)
+    if family == "smollm3":  # layer 1 without a rotary
+        return tf.SmolLM3Config(**common, no_rope_layers=[1, 0])
+    if family == "olmo2":
+        return tf.Olmo2Config(**{**common, "num_key_value_heads": 4})
+    if family == "olmo3":  # sliding then full, yarn on the full layer
+        yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 500000.0}
+        rope = {"full_attention": yarn, "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+        layers = ["sliding_attention", "full_attention"]
+        return tf.Olmo3Config(**common, sliding_window=16, layer_types=layers, rope_parameters=rope)
+    if family == "granite":
+        multipliers = dict(embedding_multiplier=12.0, attention_multiplier=0.05, residual_multiplier=0.22)
+        return tf.GraniteConfig(**common, **multipliers, logits_scaling=8.0)
+    if family == "ministral3":  # yarn with mscale and the position-scaled queries, head_dim 20
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 1_000_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        }
+        return tf.Ministral3Config(**common, head_dim=20, rope_parameters=rope)
+    raise ValueError(family)
 
 
 def build_hf_model(family: str, seed: int = 0, **overrides):
@@ -72,7 +128,7 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
             if "norm" in name:
-                param.copy_(noise * 0.1 + (0.0 if cfg.model_type == "gemma2" else 1.0))
+                param.copy_(noise * 0.1 + (0.0 if cfg.model_type in ("gemma2", "gemma3_text") else 1.0))
             else:  # a small embedding keeps tied heads from just echoing the input token
                 param.copy_(noise * (0.02 if "embed" in name else 0.15))
     return model

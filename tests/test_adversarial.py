@@ -415,9 +415,9 @@ def _beyond_the_gpus() -> tuple[str, str]:
 
 @pytest.mark.parametrize("command", ["run", "serve", "bench-serve", "bench"])
 def test_a_device_torch_cannot_reach_is_refused_before_the_model_loads(command, hf_checkpoints, capsys, monkeypatch):
-    import staticrt.loading.checkpoint as loader
+    import staticrt.loading.weight_files as weights
 
-    monkeypatch.setattr(loader, "_read_state_dict", lambda *_: pytest.fail("the checkpoint was read"))
+    monkeypatch.setattr(weights, "_read_state_dict", lambda *_: pytest.fail("the checkpoint was read"))
     device, why = _beyond_the_gpus()
     flags = ["--prompt-ids", "1,2"] if command == "run" else []
     assert main([command, "--model", str(hf_checkpoints["llama"][0]), "--device", device, *flags]) == 2

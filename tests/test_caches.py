@@ -198,7 +198,7 @@ def test_auto_takes_what_the_config_implies(preset, max_cache_len, kind):
 
 
 def test_qwen2_max_window_layers_decides_which_layers_rotate():
-    from staticrt.config import config_from_hf
+    from staticrt.loading.hf_config import config_from_hf
 
     hf = {
         "model_type": "qwen2",

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 from conftest import FAMILIES
+from hf_models import NEW_FAMILIES
 
 import staticrt
 from staticrt.caches import CacheSpec, build_cache
@@ -63,13 +64,13 @@ def teacher_forced_logits(model, cache_kind: str, ids: list[int], prompt: int) -
     return torch.cat(steps)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + NEW_FAMILIES)
 def test_tiny_models_logits_stay_near_the_full_precision_cache(hf_checkpoints, family):
     """Random-weight models amplify small errors (free-running greedy tokens part after 6 to 32
     tokens, measured), so the check runs along the full-precision cache's own continuation."""
     model = staticrt.load_model(hf_checkpoints[family][0], dtype=torch.float32)
-    kind = "hybrid" if family == "gemma2" else "static"
-    options = dict(max_batch_size=2, max_cache_len=64)
+    kind = "hybrid" if "sliding_attention" in model.config.layer_types else "static"
+    options = dict(max_batch_size=2, max_cache_len=128)  # Phi-3 restarts at 32 in a step 64 wide beside the other row
     full = staticrt.Generator(model, cache=kind, **options).generate(PROMPTS, 32)
     ours = staticrt.Generator(model, cache=f"{kind}-int8", **options).generate(PROMPTS, 32)
     assert [t[:4] for t in ours] == [t[:4] for t in full]

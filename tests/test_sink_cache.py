@@ -12,7 +12,7 @@ from hf_models import hf_greedy
 import staticrt
 from staticrt.caches import CacheSpec, SinkCache
 from staticrt.errors import ArtifactError, CacheError
-from staticrt.rope import apply_rope, rope_tables
+from staticrt.rope import RopeStep, apply_rope, rope_tables
 
 SLOTS = 12  # 4 sinks + 8 rotating slots: small enough that every test crosses the window many times
 
@@ -86,7 +86,7 @@ def test_attention_equals_streaming_llm_with_keys_rotated_at_their_cache_index(p
         steps = [(0, prompt)] + [(p, 1) for p in range(prompt, 40)]
         for start, width in steps:
             meta = cache.begin_step(torch.tensor([start]), torch.tensor([width]), width)
-            rope = rope_tables(meta.positions, model.inv_freq, torch.float32)
+            rope = RopeStep(*rope_tables(meta.positions, model.inv_freq, torch.float32), None)
             out = attn(xs[start : start + width], rope, cache.view(0, meta, xs))  # [T, C]
             for t in range(width):
                 expected = reference_attention(attn, xs, start + t, model.inv_freq)

@@ -129,7 +129,8 @@ def test_the_model_as_its_own_draft_has_every_draft_accepted_compiled_without_re
 def test_a_draft_models_draft_length_grows_by_two_on_a_clean_step_and_shrinks_by_one_on_a_miss():
     """transformers' "heuristic" schedule, k = 4: kept all (stays 4), missed (3), missed (2), kept all
     (4), missed twice (3, 2), and never below 1. Prompt lookup's stays 4 whatever happens."""
-    from staticrt.generation.speculative import Speculation, Speculator
+    from staticrt.generation.speculative import Speculation
+    from staticrt.generation.speculator import Speculator
 
     def lengths(drafter) -> list[int]:
         spec = Speculation("model" if drafter else "ngram", 4, drafter=drafter)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..artifacts.manifest import REEXPORT, field, read_manifest, require_format
+from ..config import ModelConfig
 from ..errors import ArtifactError
 from ..generation.prefix import rotating_layouts
 
@@ -29,6 +30,7 @@ class ArtifactBackend:
         self.vocab_size = field(self.manifest, "model.config.vocab_size")
         config = self.manifest["model"]["config"]
         self.eos_token_ids = tuple(config.get("eos_token_ids", ()))
+        self.rope_restart = ModelConfig.from_dict(config).rope_restart
         layers = field(self.manifest, "cache.layers")
         layer_types = config.get("layer_types") or ["full_attention"] * len(layers)
         self.rotating_layouts = rotating_layouts(

@@ -159,6 +159,7 @@ class EagerBackend(RowStash):
         self.max_sequence_len = self.cache.max_sequence_len
         self.vocab_size = config.vocab_size
         self.eos_token_ids = config.eos_token_ids
+        self.rope_restart = config.rope_restart
         self.buckets = buckets
         self.live = False  # whether a row may hold tokens a later step continues: steps set it, `reset` clears it
 

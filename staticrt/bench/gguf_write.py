@@ -1,8 +1,9 @@
-"""A Llama-family `Decoder` written as a GGUF file llama.cpp runs, so `bench --gguf Q4_0` can time
-llama.cpp on the very weights staticrt runs (a preset has no GGUF of its own).
+"""A Llama- or Qwen3-family `Decoder` written as a GGUF file llama.cpp runs, so `bench --gguf Q4_0`
+can time llama.cpp on the very weights staticrt runs (a preset has no GGUF of its own).
 
-The layout is llama.cpp's own converter's (convert_hf_to_gguf.py, `LlamaModel`): its tensor
-names, Q and K rows permuted for its interleaved RoPE, the projections in the asked block type
+The layout is llama.cpp's own converter's (convert_hf_to_gguf.py, `LlamaModel` and `Qwen3Model`):
+its tensor names, Llama's Q and K rows permuted for its interleaved RoPE (Qwen's rotate in halves,
+as transformers does, and keep their order), Qwen3's q/k norms, the projections in the asked block type
 (quantized by the gguf library, llama.cpp's reference code in NumPy), the embedding and head in
 Q8_0 as 8-bit companions, norms in F32. Presets have no tokenizer: the vocabulary is placeholder
 pieces (byte pieces where they fit), since the bench feeds token ids.
@@ -25,6 +26,8 @@ PARTS = {hf: short for short, hf in PROJECTIONS.items()} | {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+ARCHITECTURES = ("llama", "qwen3")  # the families written; llama.cpp's architecture of the same name
 
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -40,7 +43,7 @@ def check_writable(model: Decoder, qtype: str) -> None:
     unsupported = [
         what
         for what, present in (
-            (f"family {c.family!r}", c.family != "llama"),
+            (f"family {c.family!r}", c.family not in ARCHITECTURES),
             ("biases", c.attention_bias or c.qkv_bias or c.mlp_bias),
             (f"rope {c.rope.kind!r}", c.rope.kind != "default"),
             ("quantized weights", model.quantization is not None),
@@ -49,8 +52,9 @@ def check_writable(model: Decoder, qtype: str) -> None:
     ]
     if unsupported or qtype not in (*GGUF_TYPES, "F32"):
         raise BenchError(
-            f"--gguf {qtype}: writes a float Llama model (no biases, default RoPE) as {', '.join(GGUF_TYPES)}; "
-            f"this model has {', '.join(unsupported) or 'no such type'}: pass a GGUF file of it instead"
+            f"--gguf {qtype}: writes a float Llama or Qwen3 model (no biases, default RoPE) as "
+            f"{', '.join(GGUF_TYPES)}; this model has {', '.join(unsupported) or 'no such type'}: pass a GGUF "
+            "file of it instead"
         )
 
 
@@ -79,7 +83,7 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
 
     check_writable(model, qtype)
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), c.family)
     writer.add_name("staticrt bench model")
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -108,9 +112,9 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
     companion = "F32" if qtype == "F32" else "Q8_0"
     add("token_embd.weight", state["embed_tokens.weight"], companion)
     for i in range(c.num_layers):
-        for part, short in PARTS.items():
+        for part, short in PARTS.items() | (QK_NORMS.items() if c.qk_norm else {}.items()):
             weight = state[f"layers.{i}.{part}.weight"]
-            if short in ("attn_q", "attn_k"):
+            if short in ("attn_q", "attn_k") and c.family == "llama":
                 heads = c.num_heads if short == "attn_q" else c.num_kv_heads
                 weight = _permute(weight, heads)
             add(f"blk.{i}.{short}.weight", weight, qtype)

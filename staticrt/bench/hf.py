@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import config_to_hf
+from ..loading.hf_config import config_to_hf
 from ..models.decoder import Decoder
 from .contenders import Contender
 from .plan import QUANTO_CACHE

@@ -40,9 +40,17 @@ class SinkCache(KVCache):
     def __init__(
         self, config: ModelConfig, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> None:
+        rope = config.rope
+        uniform = config.ropes == (rope,) and not config.nope_layers
+        if not uniform or rope.kind == "longrope" or rope.attention_factor != 1 or rope.query_scale_beta:
+            raise CacheError(
+                f"the sink cache rotates queries back by one rotary embedding shared by every layer; this "
+                f"{config.family} model's layers take {len(config.ropes)} ({rope.kind}, some without one, "
+                "or scaled by position): use cache='static', or 'sliding'/'hybrid' where it has windows"
+            )
         super().__init__(config, spec, dtype, device)
         # RoPE's frequencies, to rotate a query back by the evicted positions (a constant, not state).
-        self.inv_freq = inverse_frequencies(config.rope, config.head_dim).to(device)
+        self.inv_freq = inverse_frequencies(rope, config.rotary_dim).to(device)
 
     @classmethod
     def rotating_layers(cls, config: ModelConfig) -> list[bool]:

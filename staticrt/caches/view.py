@@ -120,7 +120,8 @@ class LayerView:
                 keys, values = torch.cat([held_k, own_k], dim=2), torch.cat([held_v, own_v], dim=2)  # [B, H_kv, L+T, D]
             else:
                 keys, values = self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=True)
+            gqa = q.shape[1] != keys.shape[1]  # torch.onnx refuses enable_gqa where the head counts are equal
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
         if writes_after:
             self.cache.update(k, v, self.layer_idx, meta.write_index, meta.num_new, after=out)
         return out
@@ -162,7 +163,7 @@ def attend_causal_blocks(
                 v[:, :, low:end],
                 attn_mask=mask[:, :, start:end, low:end],
                 scale=scale,
-                enable_gqa=True,
+                enable_gqa=q.shape[1] != k.shape[1],
             )
         )
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, H, T, D]

@@ -5,6 +5,7 @@ sampling options of `run` and `chat`. Imports no torch, as main.py."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,27 @@ def prompt_ids(text: str) -> list[int]:
             f"{text!r} is not comma-separated token ids; write them like 1,2,3 (digits 0-9, one comma between ids)"
         )
     return [int(t) for t in text.split(",")]
+
+
+def template_kwargs(text: str) -> dict:
+    """A JSON object of extra chat-template variables, as vLLM's `chat_template_kwargs`."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON ({err}); write an object like '{{\"enable_thinking\": false}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object; write one like '{{\"enable_thinking\": false}}'"
+        )
+    return value
+
+
+TEMPLATE_KWARGS_HELP = (
+    "extra variables for the chat template, a JSON object (vLLM's chat_template_kwargs): "
+    "'{\"enable_thinking\": false}' turns Qwen3's thinking off"
+)
 
 
 def at_least(minimum: int) -> Callable[[str], int]:

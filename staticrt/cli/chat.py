@@ -33,7 +33,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             "use a checkpoint folder (or an artifact exported from one) that has both"
         )
     system: list[Message] = [{"role": "system", "content": args.system}] if args.system is not None else []
-    tokenizer.apply_chat_template([*system, {"role": "user", "content": "hi"}])  # no template: refused now
+    extra = args.chat_template_kwargs
+    tokenizer.apply_chat_template([*system, {"role": "user", "content": "hi"}], template_kwargs=extra)  # refused now
     gen = bind(source, args, 1, None)
     options = generate_options(args, source, gen)
     interactive = sys.stdin.isatty()
@@ -56,7 +57,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         turn = [*messages, {"role": "user", "content": text}]
         try:
-            answer, first = _answer(gen, tokenizer, turn, args.max_new_tokens, options, not args.no_prefix_reuse)
+            answer, first = _answer(gen, tokenizer, turn, args.max_new_tokens, options, not args.no_prefix_reuse, extra)
         except StaticrtError as err:  # a conversation the cache cannot hold: the session goes on
             console.print(f"staticrt chat: {err}", style="red", markup=False, soft_wrap=True)
             continue
@@ -98,11 +99,17 @@ def _turn_timings(number: int, first_token_s: float, stats: Any) -> dict[str, An
 
 
 def _answer(
-    gen: Any, tokenizer: Any, turn: list[Message], max_new_tokens: int, options: dict[str, Any], reuse: bool = True
+    gen: Any,
+    tokenizer: Any,
+    turn: list[Message],
+    max_new_tokens: int,
+    options: dict[str, Any],
+    reuse: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, float]:
     """Stream the answer to `turn` to stdout; return its text (without the eos it stopped on) and
     when its first token came (`time.perf_counter`)."""
-    ids = tokenizer.apply_chat_template(turn)
+    ids = tokenizer.apply_chat_template(turn, template_kwargs=template_kwargs)
     limit = gen.backend.max_sequence_len
     room = max_new_tokens if limit is None else min(max_new_tokens, limit - len(ids))
     if room < 1:

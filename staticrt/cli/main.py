@@ -17,11 +17,13 @@ from ..errors import StaticrtError
 from ..generation.loop import MAX_NEW_TOKENS
 from .args import (
     POSITIVE,
+    TEMPLATE_KWARGS_HELP,
     Parser,
     add_format_arg,
     add_generation_args,
     add_model_args,
     prompt_ids,
+    template_kwargs,
 )
 from .bench_args import add_bench_parser
 from .console import console, show_log
@@ -90,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--system", default=None, help="with --chat: the system prompt (default: the template's)")
     run.add_argument(
+        "--chat-template-kwargs", type=template_kwargs, metavar="JSON", help=f"with --chat: {TEMPLATE_KWARGS_HELP}"
+    )
+    run.add_argument(
         "--num-beams",
         type=POSITIVE,
         default=1,
@@ -115,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_generation_args(chat, max_new_tokens=256)
     chat.add_argument("--system", default=None, help="the system prompt (default: the template's)")
+    chat.add_argument("--chat-template-kwargs", type=template_kwargs, metavar="JSON", help=TEMPLATE_KWARGS_HELP)
     chat.add_argument(
         "--no-prefix-reuse", action="store_true", help="prefill the whole conversation every turn (to compare)"
     )

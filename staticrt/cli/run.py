@@ -14,8 +14,9 @@ from .session import bind, generate_options, open_source
 
 
 def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
-    if args.system is not None and args.chat is None:
-        raise GenerationError("--system is the system prompt of a chat turn; give the user's message with --chat")
+    for flag, value in (("--system", args.system), ("--chat-template-kwargs", args.chat_template_kwargs)):
+        if value is not None and args.chat is None:
+            raise GenerationError(f"{flag} belongs to a chat turn; give the user's message with --chat")
     if args.prompt is None and args.chat is None:
         return args.prompt_ids
     if tokenizer is None:
@@ -26,7 +27,8 @@ def _prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
     if args.chat is None:
         return [tokenizer.encode(check_text(args.prompt, "--prompt"))]
     system = [{"role": "system", "content": check_text(args.system, "--system")}] if args.system is not None else []
-    return [tokenizer.apply_chat_template([*system, {"role": "user", "content": check_text(args.chat, "--chat")}])]
+    turn = [*system, {"role": "user", "content": check_text(args.chat, "--chat")}]
+    return [tokenizer.apply_chat_template(turn, template_kwargs=args.chat_template_kwargs)]
 
 
 def cmd_run(args: argparse.Namespace) -> int:

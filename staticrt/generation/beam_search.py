@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import GenerationError, as_int, as_real
 from .buckets import bucket_for
 from .loop import GenerationStats, SamplingParams, StepBackend
+from .prefill import crossing
 from .request import validate_request
 
 NEG = np.float32(-1.0e9)  # transformers' score for "not a candidate"
@@ -164,6 +165,12 @@ def beam_search_tokens(
             f"{backend.batch_size}; {backend.remedy('max_batch_size')} (at least {count * n}) or pass fewer prompts"
         )
     request = validate_request(backend, prompts, max_new_tokens, SamplingParams(), stop_token_ids)
+    if crossing(backend.rope_restart, [len(ids) for ids in request.rows], request.max_new_tokens):
+        raise GenerationError(
+            f"beam search past position {backend.rope_restart}, where this model's LongRoPE switches to its long "
+            "factors, would compute every beam again from position 0 (prefill.py), which beam search does not do; "
+            "keep prompt and new tokens within it, or use num_beams=1"
+        )
     return _search(backend, request.rows, request.max_new_tokens, request.stops, params, stats or GenerationStats())
 
 

@@ -17,10 +17,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
-from .buckets import bucket_for
-from .prefix import Layouts, kept_prefix, mark_cut_tails
-from .request import check_bucket, validate_request
-from .speculative import Speculation, Speculator, speculator_for
+from .prefill import decoding, prefill_inputs, restart_width
+from .prefix import Layouts, mark_cut_tails
+from .request import validate_request
+from .speculative import Speculation
+from .speculator import Speculator, speculator_for
 
 StreamCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
 MAX_NEW_TOKENS = 32  # what a generation asks for when nobody says (the Python API and `staticrt run`)
@@ -65,6 +66,7 @@ class StepBackend(Protocol):
     row_positions: bool  # whether each row writes at its own position (False: one column for all rows, genai's)
     buckets: tuple[int, ...]
     rotating_layouts: Layouts  # the cache's rotating layers (prefix.py): where a row may continue from
+    rope_restart: int | None  # where a sequence is computed again from 0 (LongRoPE: prefill.py), else None
 
     def reset(self) -> None: ...
 
@@ -129,39 +131,6 @@ def per_row(value: Any, batch: int, dtype: Any) -> np.ndarray:
     return np.array(np.broadcast_to(np.asarray(value, dtype=dtype), (batch,)))  # a writable copy
 
 
-def kept_prefixes(backend: StepBackend, rows: list[list[int]], held: list[list[int]]) -> list[int]:
-    """Prompt tokens each row keeps in its cache (prefix.py): none where the backend writes one
-    column for every row (the ONNX graph's layout, past batch 1), or where the continuing step
-    would not fit the cache (a torch backend writes the whole bucket, padding past the row's end)."""
-    if not backend.row_positions and backend.batch_size > 1:
-        return [0] * len(rows)
-    kept = [kept_prefix(held[r], ids, backend.rotating_layouts) for r, ids in enumerate(rows)]
-    width = bucket_for(backend.buckets, max(len(ids) - k for ids, k in zip(rows, kept, strict=True)))
-    limit = backend.max_sequence_len
-    written = [k + (width if backend.row_positions else len(ids) - k) for ids, k in zip(rows, kept, strict=True)]
-    return [0] * len(rows) if limit is not None and max(written) > limit else kept
-
-
-def _prefill_inputs(
-    backend: StepBackend, rows: list[list[int]], held: list[list[int]], reuse: bool
-) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
-    """The prompt tokens each row keeps (with `reuse`), and the first step's `input_ids [B, bucket]`,
-    `write_index [B]` and `num_new [B]`: each row's prompt after what it keeps, right-padded; rows
-    beyond the request prefill one dummy token at 0. Checked before the cache is touched."""
-    kept = kept_prefixes(backend, rows, held) if reuse else [0] * len(rows)
-    for r, (ids, k) in enumerate(zip(rows, kept, strict=True)):
-        check_bucket(backend, r, len(ids) - k, k)
-    batch, n_rows = backend.batch_size, len(rows)
-    write_index = np.zeros(batch, dtype=np.int64)
-    write_index[:n_rows] = kept
-    lengths = np.ones(batch, dtype=np.int64)
-    lengths[:n_rows] = [len(ids) - k for ids, k in zip(rows, kept, strict=True)]
-    input_ids = np.zeros((batch, bucket_for(backend.buckets, int(lengths.max()))), dtype=np.int64)
-    for r, ids in enumerate(rows):
-        input_ids[r, : lengths[r]] = ids[kept[r] :]
-    return kept, input_ids, write_index, lengths
-
-
 def _uniforms(rngs: list[np.random.Generator], shape: tuple[int, ...]) -> np.ndarray:
     """Uniform draws of `shape` a row, `[B, *shape]` float32, each from the row's own generator
     (its sampled tokens depend on its seed alone): one for a step, `(T, 2)` for a verify step."""
@@ -209,7 +178,8 @@ def generate_tokens(
     batch, n_rows = backend.batch_size, len(rows)
     held = held if held is not None else [[] for _ in range(batch)]
     speculator = speculator_for(backend, speculative, sampling.do_sample, held, n_rows)
-    kept, input_ids, write_index, lengths = _prefill_inputs(backend, rows, held, reuse)
+    kept, input_ids, write_index, lengths = prefill_inputs(backend, rows, held, reuse)
+    restart = restart_width(backend, [len(ids) for ids in rows], max_new_tokens)
     # Row r draws from its own generator, seeded seed + r: a prompt's tokens do not depend on the
     # batch size or on its neighbours, and a server's request with seed s samples row 0's tokens.
     rngs = [np.random.default_rng(None if sampling.seed is None else sampling.seed + r) for r in range(batch)]
@@ -219,8 +189,7 @@ def generate_tokens(
         return _tracked(backend, held, n_rows, run, ids, write_index, num_new, sampling, uniforms)
 
     continuing, bucket = any(kept), input_ids.shape[1]
-    widths = (bucket, 1) if max_new_tokens > 1 else (bucket,)
-    stats.compile_s = backend.prepare(widths, sampling.do_sample, continuing=continuing, fresh=not continuing)
+    stats.compile_s = _prepare(backend, bucket, max_new_tokens, sampling.do_sample, continuing, restart)
     stats.compile_s += speculator.prepare(rows) if speculator and max_new_tokens > 1 else 0.0
     if not continuing:
         backend.reset()
@@ -231,7 +200,7 @@ def generate_tokens(
     stats.prefill_s, stats.bucket, stats.decode_s, stats.kept = time.perf_counter() - start, bucket, [], list(kept)
     write_index += lengths
     out = _decode(
-        lambda ids: step(ids, np.ones(batch, dtype=np.int64)),
+        decoding(backend, step, restart, write_index, held, n_rows),
         next_ids,
         n_rows,
         max_new_tokens,
@@ -244,6 +213,19 @@ def generate_tokens(
     )
     mark_cut_tails(held, cut, kept, backend.rotating_layouts)
     return out
+
+
+def _prepare(
+    backend: StepBackend, bucket: int, max_new_tokens: int, do_sample: bool, continuing: bool, restart: int | None
+) -> float:
+    """Build a generation's graphs before its first step is timed (`StepBackend.prepare`): its
+    prefill and decode steps, and LongRoPE's restart step of width `restart` where a row will need
+    it (from position 0: one row, or all at once; beside decoding rows); the seconds it took."""
+    widths = (bucket, 1) if max_new_tokens > 1 else (bucket,)
+    spent = backend.prepare(widths, do_sample, continuing=continuing, fresh=not continuing)
+    if restart is not None:
+        spent += backend.prepare((restart,), do_sample, continuing=backend.batch_size > 1)
+    return spent
 
 
 def _decode(

@@ -11,24 +11,23 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..config import ModelConfig, load_hf_config
+from ..config import ModelConfig
 from ..dtypes import resolve_dtype
-from ..errors import CheckpointError, ConfigError, first_line
+from ..errors import CheckpointError, ConfigError
 from ..models import gguf_blocks
 from ..models.decoder import Decoder, init_random, use_column_major_weights
 from ..models.packed_linear import pack, packs
 from ..models.presets import PRESETS
 from ..models.quant_spec import QuantSpec, parse_quantize
 from ..models.quantize import kernels_for, quantize_weights, quantized_dtype
-from ..rope import inverse_frequencies
 from ..text.generation_config import read_generation_defaults
 from ..text.tokenizer import load_tokenizer
 from .gguf_folders import local_checkpoint
+from .hf_config import load_hf_config
+from .weight_files import read_weights
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -52,58 +51,6 @@ def checked_device(device: str | torch.device) -> torch.device:
         else "pass cpu, or run on a machine with a GPU and torch's CUDA build (see the README)"
     )
     raise ConfigError(f"device {str(device)!r}: torch {torch.__version__} sees {seen} CUDA device(s); {way_out}")
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({folder / str(name) for name in weight_map.values()})
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise CheckpointError(
-                f"{index} is not a safetensors index (JSON with a weight_map of tensor -> shard file: {err!r}); "
-                "restore it from the checkpoint"
-            ) from None
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: lists shard(s) {missing} that are not in the folder")
-        return files
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise CheckpointError(
-            f"{folder}: holds pickle weights {pickles}; staticrt loads safetensors only (pickles can run "
-            'code). Convert once with transformers: python -c "from transformers import '
-            f"AutoModelForCausalLM as M; M.from_pretrained('{folder}').save_pretrained('{folder}')\""
-        )
-    raise CheckpointError(
-        f"{folder}: no model.safetensors or model.safetensors.index.json; a checkpoint folder needs "
-        "its weights in safetensors"
-    )
-
-
-def _read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Each tensor copied out of the file's map, the map closed after it. A tensor left on the map
-    keeps every page of the file that was ever read resident beside the copies that loading makes
-    (column-major layout, casts, quantization): SmolLM2's 517 MB twice, 1.35 GB peak RSS against
-    0.84 GB so (docs/measurements.md)."""
-    state: dict[str, torch.Tensor] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                keys = list(f.keys())
-            for key in keys:
-                with safe_open(str(path), framework="pt") as f:
-                    state[key.removeprefix("model.")] = f.get_tensor(key).clone()
-        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-            reason = first_line(err)
-            raise CheckpointError(
-                f"{path} cannot be read as safetensors ({reason}); the file is truncated or corrupt: download it again"
-            ) from None
-    return state
 
 
 def _head_of(config: ModelConfig, state: dict[str, torch.Tensor], source: str) -> ModelConfig:
@@ -229,7 +176,8 @@ def load_model(
         model.source = str(path_or_preset)
         return _ready(model, spec, packed=packed)
     folder = Path(path_or_preset)
-    state, kept = gguf_blocks.split_state(_read_state_dict(_weight_files(folder)))
+    state = read_weights(folder, config)
+    state, kept = gguf_blocks.split_state(state)
     # Kept codes are weights too: their exact values stand in until quantize_weights replaces them.
     state |= {name: gguf_blocks.dequantize(blocks) for name, blocks in kept.items()}
     for name, tensor in state.items():
@@ -243,8 +191,7 @@ def load_model(
     with torch.device("meta"):
         model = Decoder(config)
     load_state_dict_checked(model, state, str(folder))
-    # The RoPE table is not in the checkpoint; the meta placeholder is replaced by the real one.
-    model.inv_freq = inverse_frequencies(config.rope, config.head_dim)
+    model.reset_rope()  # the RoPE tables are not in the checkpoint: the meta placeholders are replaced
     model = model.to(device)
     model.tokenizer = load_tokenizer(folder)
     model.source = str(folder)

@@ -22,6 +22,17 @@ from ..errors import CheckpointError, first_line
 from ..models import gguf_blocks
 
 EXTRA = "pip install 'staticrt[gguf]'"
+# llama.cpp's architecture name -> the family transformers' GGUF reader loads it as, for the
+# families staticrt runs (transformers reads these; it reads no GGUF of SmolLM3, OLMo, Granite or Ministral 3)
+GGUF_FAMILIES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "gemma2": "gemma2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
 Stage = Callable[[str], None]  # what is about to start
 
 
@@ -48,12 +59,20 @@ def _check_gguf(source: Path) -> None:
             f"{source} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a llama.cpp .gguf file"
         )
     try:
-        gguf.GGUFReader(str(source))
+        reader = gguf.GGUFReader(str(source))
     except Exception as err:  # gguf raises ValueError, struct.error, IndexError ... on a cut file
         raise CheckpointError(
             f"{source} cannot be read as GGUF ({type(err).__name__}: {first_line(err)}); the file is truncated "
             "or corrupt: download it again"
         ) from None
+    field = reader.fields.get("general.architecture")
+    architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    if architecture not in GGUF_FAMILIES:
+        raise CheckpointError(
+            f"{source.name} holds a {architecture!r} model; staticrt convert reads GGUF through transformers, "
+            f"whose reader gives staticrt the architectures {', '.join(GGUF_FAMILIES)}: convert the model's "
+            "safetensors checkpoint folder instead (staticrt run --model FOLDER)"
+        )
 
 
 def _kept_projections(source: Path) -> tuple[str, dict[str, Any]]:

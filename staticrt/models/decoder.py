@@ -1,11 +1,14 @@
-"""The decoder: one code path for the Llama, Mistral, Qwen2 and Gemma2 families and every backend.
+"""The decoder: one code path for every family of the family table (loading/families.py) and every
+backend. A family is a set of switches in `ModelConfig`, read here and in attention.py, norms.py
+and feed_forward.py; never a copy of this code.
 
 Module names follow transformers' checkpoints (`embed_tokens`, `layers.N.self_attn.o_proj`, ...)
 so a safetensors file loads by name; q/k/v and gate/up are each one `FusedLinear`, whose parts
 `state_dict` and `load_state_dict` still name as checkpoints do (`q_proj`, `gate_proj`, ...).
 What a step needs (positions, masks, write indices) is computed once per step by the cache
-(`KVCache.begin_step`), the RoPE tables once by the decoder; each layer gets them and its own
-`LayerView` of the cache, as in mistral-inference. The model never knows which cache it runs.
+(`KVCache.begin_step`), the RoPE tables once by the decoder for each distinct rotary embedding;
+each layer gets them and its own `LayerView` of the cache, as in mistral-inference. The model
+never knows which cache it runs.
 """
 
 from __future__ import annotations
@@ -18,179 +21,48 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..caches.base import KVCache
 from ..caches.view import LayerView
 from ..config import ModelConfig
-from ..rope import apply_rope, inverse_frequencies, rope_tables
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [B, 1, T, D], one pair a step for every layer
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm in float32. `offset` 0 is Llama's `w * x`; 1 is Gemma2's `(1 + w) * x`, which
-    also multiplies before casting back (the two families round differently)."""
-
-    def __init__(self, dim: int, eps: float, offset: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.offset = offset
-        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (xf * (self.offset + self.weight.float())).type_as(x)
-        return self.weight * xf.to(x.dtype)
-
-
-class FusedLinear(nn.Linear):
-    """Projections of one input held as one matrix, so that a decode step reads it with one
-    matrix-vector product instead of several: on CPU each BLAS call has a fixed cost, large next to
-    the small matrices of a small model (docs/measurements.md), and on GPU each is a kernel launch. `parts` maps each
-    part's checkpoint name to its output size, in order; `forward` returns the parts' outputs.
-
-    Checkpoints name the parts apart (`q_proj`, `k_proj`, ...): the owning module translates with
-    `name_fused_parts_apart`, so `state_dict()` and `load_state_dict` speak the checkpoint's names.
-    """
-
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
-        self.parts = parts
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x [..., in] -> one [..., size] a part
-        return super().forward(x).split(list(self.parts.values()), dim=-1)
-
-
-def _fused_children(module: nn.Module, prefix: str) -> dict[str, FusedLinear]:
-    """`prefix + name` -> each FusedLinear child of `module`."""
-    return {f"{prefix}{name}": child for name, child in module.named_children() if isinstance(child, FusedLinear)}
-
-
-def _split_fused(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, local_metadata: dict) -> None:
-    """state_dict post-hook: each fused weight and bias become their parts (views), in place and
-    in checkpoint order (each part's weight, then its bias, where the fused weight stood)."""
-    fused = _fused_children(module, prefix)
-    items = dict(state_dict)
-    state_dict.clear()
-    for key, value in items.items():
-        owner, _, field = key.rpartition(".")
-        child = fused.get(owner)
-        if child is None:
-            state_dict[key] = value
-        elif field == "weight":
-            sizes = list(child.parts.values())
-            biases = items[f"{owner}.bias"].split(sizes) if child.bias is not None else [None] * len(sizes)
-            for part, weight, bias in zip(child.parts, value.split(sizes), biases):
-                state_dict[f"{prefix}{part}.weight"] = weight
-                if bias is not None:
-                    state_dict[f"{prefix}{part}.bias"] = bias
-
-
-def _join_fused(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *args: object) -> None:
-    """load_state_dict pre-hook: parts given under their checkpoint names are concatenated into
-    the fused tensor; a checkpoint missing a part is left for the strict check to name."""
-    for owner, child in _fused_children(module, prefix).items():
-        for field in ("weight", "bias") if child.bias is not None else ("weight",):
-            names = [f"{prefix}{part}.{field}" for part in child.parts]
-            if all(name in state_dict for name in names):
-                state_dict[f"{owner}.{field}"] = torch.cat([state_dict.pop(name) for name in names])
-
-
-def name_fused_parts_apart(module: nn.Module) -> None:
-    """Make `module`'s state_dict and load_state_dict use its FusedLinear children's part names."""
-    module.register_state_dict_post_hook(_split_fused)
-    module.register_load_state_dict_pre_hook(_join_fused)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        c, bias = config, config.mlp_bias
-        self.gate_up_proj = FusedLinear(
-            c.hidden_size, {"gate_proj": c.intermediate_size, "up_proj": c.intermediate_size}, bias
-        )
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=bias)
-        self.tanh_gelu = c.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
-        name_fused_parts_apart(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x)
-        gate = F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)
-        return self.down_proj(gate * up)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        c = config
-        qkv_bias = c.attention_bias or c.qkv_bias
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.scale = c.attention_scale
-        self.softcap = c.attn_logit_softcapping
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = FusedLinear(c.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias)
-        self.o_proj = nn.Linear(q_size, c.hidden_size, bias=c.attention_bias)
-        name_fused_parts_apart(self)
-
-    def forward(self, x: torch.Tensor, rope: Rope, view: LayerView) -> torch.Tensor:
-        batch, seq_len = view.meta.batch, view.meta.seq_len  # x [B*T, C]
-        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        group = heads // kv_heads
-        q, k, v = self.qkv_proj(x)
-        q = apply_rope(q.view(batch, seq_len, heads, dim).transpose(1, 2), *rope)  # [B, H, T, D]
-        k = apply_rope(k.view(batch, seq_len, kv_heads, dim).transpose(1, 2), *rope)  # [B, Hkv, T, D]
-        v = v.view(batch, seq_len, kv_heads, dim).transpose(1, 2)
-        # SDPA where it gives the explicit path's tokens: float32 (in bfloat16 it keeps the scores
-        # in float32 where transformers' eager attention rounds them, and tiny models' tokens part)
-        if seq_len > 1 and view.fused and self.softcap is None and q.dtype == torch.float32:
-            out = view.attend(q, k, v, self.scale)  # [B, H, T, D]; a long prefill's scores never materialise
-        else:
-            # GQA without repeating K/V: the G query heads that share a KV head are stacked along
-            # the query axis, so one batched matmul per KV head reads the cache once.
-            out = self.attend_apart(q.reshape(batch, kv_heads, group * seq_len, dim), k, v, view)
-        out = out.view(batch, heads, seq_len, dim).transpose(1, 2).reshape(batch * seq_len, heads * dim)
-        return self.o_proj(out)
-
-    def attend_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView) -> torch.Tensor:
-        """`q [B, Hkv, G*T, D]` -> `[B, Hkv, G*T, D]` with the scores as a tensor of their own: a
-        decode step's are small and its own kernels are fastest, they round as transformers' eager
-        attention does in bfloat16, and Gemma2's softcap and the sink cache rewrite them."""
-        batch, seq_len = view.meta.batch, view.meta.seq_len
-        scores = view.scores(q, k, v) * self.scale  # [B, Hkv, G*T, L (+ T)]; writes first where exact
-        if self.softcap is not None:
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-        length = scores.shape[-1]
-        scores = scores.view(batch, self.num_kv_heads, -1, seq_len, length).masked_fill(
-            ~view.mask[:, :, None], float("-inf")
-        )
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(*q.shape[:3], length)
-        return view.weigh(probs, k, v)  # [B, Hkv, G*T, D]; a step that read first writes here
+from ..rope import RopeStep, inverse_frequencies, rope_step
+from .attention import Attention
+from .feed_forward import MLP
+from .norms import RMSNorm
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        eps, offset, hidden = config.rms_norm_eps, config.norm_offset, config.hidden_size
+        c = config
+        norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset, c.norm_weight_in_float32)  # noqa: E731
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(hidden, eps, offset)
-        # Llama names its pre-MLP norm `post_attention_layernorm`; Gemma2 uses that name for a
-        # norm on the attention output and adds pre/post-feedforward norms ("sandwich").
-        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
-        self.sandwich = config.sandwich_norms
-        if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
-            self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+        # Llama norms the attention's and the MLP's inputs ("pre"; its pre-MLP norm is called
+        # `post_attention_layernorm`). Gemma also norms their outputs ("sandwich": that name is its
+        # norm on the attention output, beside pre/post-feedforward norms); OLMo 2 norms the
+        # outputs alone ("post").
+        self.placement = "post" if c.post_norms else "sandwich" if c.sandwich_norms else "pre"
+        if self.placement != "post":
+            self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = norm()
+        self.residual_multiplier = c.residual_multiplier  # Granite's; 1 elsewhere
 
-    def forward(self, x: torch.Tensor, rope: Rope, view: LayerView) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), rope, view)
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rope: RopeStep | None, view: LayerView) -> torch.Tensor:
+        """`x [B*T, C]` -> `[B*T, C]`."""
+        if self.placement == "pre":
+            x = self._add(x, self.self_attn(self.input_layernorm(x), rope, view))
+            return self._add(x, self.mlp(self.post_attention_layernorm(x)))
+        post = self.placement == "post"
+        attn = self.self_attn(x if post else self.input_layernorm(x), rope, view)
+        x = self._add(x, self.post_attention_layernorm(attn))
+        return self._add(x, self.post_feedforward_layernorm(self.mlp(x if post else self.pre_feedforward_layernorm(x))))
+
+    def _add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        return x + (branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier)
 
 
-def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, view: LayerView) -> torch.Tensor:
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: RopeStep | None, view: LayerView) -> torch.Tensor:
     return layer(x, rope, view)
 
 
@@ -209,9 +81,39 @@ class Decoder(nn.Module):
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.register_buffer("inv_freq", inverse_frequencies(config.rope, config.head_dim), persistent=False)
+        # each layer's rotary embedding: an index into `config.ropes`, None for a layer without one
+        self.layer_ropes = [
+            None if (r := config.layer_rope(i)) is None else config.ropes.index(r) for i in range(config.num_layers)
+        ]
+        self.reset_rope()
         self.quantization = None  # a QuantSpec once `quantize.quantize_weights` ran
         self.packed = False  # linear layers over oneDNN-packed weights once `packed_linear.pack` ran
+
+    def reset_rope(self) -> None:
+        """(Re)build the inverse frequencies, buffers outside the checkpoint: `inv_freq` for the
+        first rotary embedding, `inv_freq_1` for a second (Gemma 3's local one), each with a
+        `_long` twin for LongRoPE (rope.py)."""
+        for i, rope in enumerate(self.config.ropes):
+            name = f"inv_freq{f'_{i}' if i else ''}"
+            self.register_buffer(name, inverse_frequencies(rope, self.config.rotary_dim), persistent=False)
+            if rope.kind == "longrope":
+                long = inverse_frequencies(rope, self.config.rotary_dim, long=True)
+                self.register_buffer(f"{name}_long", long, persistent=False)
+
+    def rope_steps(self, positions: torch.Tensor, num_new: torch.Tensor, dtype: torch.dtype) -> list[RopeStep]:
+        """Each distinct rotary embedding's tables for a step at `positions [B, T]` whose rows feed
+        `num_new [B]` real tokens."""
+        last = None  # each row's last real position, for LongRoPE's choice: its column num_new - 1
+        # (right-padded rows; an ONNX step's rows are left-padded and take every column: the last)
+        if self.config.rope_restart is not None:
+            last = positions.gather(1, (num_new - 1).clamp(min=0)[:, None]).squeeze(1)  # [B]
+        steps = []
+        for i, rope in enumerate(self.config.ropes):
+            name = f"inv_freq{f'_{i}' if i else ''}"
+            steps.append(
+                rope_step(rope, positions, last, getattr(self, name), getattr(self, f"{name}_long", None), dtype)
+            )
+        return steps
 
     def forward(
         self,
@@ -243,10 +145,13 @@ class Decoder(nn.Module):
         x = self.embed_tokens(input_ids.reshape(batch * seq_len))  # [B*T, C]
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        if self.config.embedding_multiplier != 1.0:
+            x = x * self.config.embedding_multiplier
         meta = cache.begin_step(write_index, num_new, seq_len, fresh)
-        rope = rope_tables(meta.positions, self.inv_freq, x.dtype)  # cos, sin [B, 1, T, D]
+        ropes = self.rope_steps(meta.positions, num_new, x.dtype)  # tables [B, 1, T, R]
         run_layer = _run_layer_once if layers_once else _run_layer
         for i, layer in enumerate(self.layers):
+            rope = None if self.layer_ropes[i] is None else ropes[self.layer_ropes[i]]
             x = run_layer(layer, x, rope, cache.view(i, meta, x))
         if last_only:
             last = (num_new - 1).clamp(min=0)
@@ -257,6 +162,8 @@ class Decoder(nn.Module):
         logits = (
             F.linear(x, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(x)
         )  # [B or B*T or B*L, V]
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -292,7 +199,7 @@ def init_random(model: Decoder, seed: int) -> Decoder:
     with torch.no_grad():  # by checkpoint names and order, so a fused projection draws as its parts did
         for name, param in model.state_dict(keep_vars=True).items():
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):  # every RMSNorm: the layers', q/k's, the final one
                 param.copy_(noise * 0.1 + (0.0 if model.config.norm_offset else 1.0))
             else:  # a small embedding keeps tied heads from just echoing the input token
                 param.copy_(noise * (0.02 if name == "embed_tokens.weight" else 0.15))

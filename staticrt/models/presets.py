@@ -1,6 +1,8 @@
 """Built-in presets, gpt-fast style: a table of named model shapes with seeded random weights and no
 files. The tiny ones serve the demo and the tests; `bench-llama` is the Llama shape the CPU
-benchmark is defined on; `bench-1b` is a Llama-3.2-1B shape (1.24e9 parameters) for the CUDA one."""
+benchmark is defined on; `bench-1b` is a Llama-3.2-1B shape (1.24e9 parameters) for the CUDA one;
+`bench-qwen3` is Qwen3-0.6B's shape (0.6e9 parameters, 0.44e9 without the tied embedding; head_dim
+128 apart from hidden / heads, q/k norms), the CPU benchmark of the families of 2026."""
 
 from __future__ import annotations
 
@@ -69,5 +71,19 @@ PRESETS: dict[str, ModelConfig] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         rope=RopeConfig(theta=500000.0),
+    ),
+    "bench-qwen3": ModelConfig(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        qk_norm="head",
+        rope=RopeConfig(theta=1000000.0),
     ),
 }

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import StaticrtError
 from ..generation.loop import SamplingParams
+from ..text.chat_template import check_template_kwargs
 from ..text.generation_config import GenerationDefaults
 from ..text.tokenizer import check_text
 from .job import check_stops
@@ -169,8 +170,12 @@ def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
         plain.append({"role": _text(message["role"], "messages"), "content": _text(content, "messages")})
     if tokenizer is None:
         raise BadRequest("chat needs the model's tokenizer.json and chat template, which it has none of", "messages")
+    try:  # vLLM's chat_template_kwargs: variables the template reads (Qwen3's enable_thinking)
+        extra = check_template_kwargs(body.get("chat_template_kwargs"))
+    except StaticrtError as err:
+        raise BadRequest(str(err), "chat_template_kwargs") from None
     try:
-        return tokenizer.apply_chat_template(plain)
+        return tokenizer.apply_chat_template(plain, template_kwargs=extra)
     except StaticrtError as err:
         raise BadRequest(str(err), "messages") from None
 

@@ -67,14 +67,32 @@ def _compile(template: str) -> Any:
     return env.from_string(template)
 
 
+def check_template_kwargs(kwargs: Any, what: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Extra variables for the template (Qwen3's `enable_thinking`, ...), as vLLM's
+    `chat_template_kwargs` passes them: a JSON object whose keys are names the template reads,
+    never the conversation's own (`messages`, `add_generation_prompt`)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise GenerationError(
+            f'{what} is {kwargs!r}; pass an object of names to values, e.g. {{"enable_thinking": false}}'
+        )
+    taken = sorted({"messages", "add_generation_prompt"} & set(kwargs))
+    if taken:
+        raise GenerationError(f"{what} sets {', '.join(taken)}, which the conversation itself gives; leave it out")
+    return dict(kwargs)
+
+
 def render_chat(
     template: str | None,
     messages: list[Message],
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str] | None = None,
     source: str = "the checkpoint",
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The conversation as the text the model was trained on; errors name the message or template."""
+    """The conversation as the text the model was trained on; errors name the message or template.
+    `template_kwargs`: extra variables the template reads (`check_template_kwargs`)."""
     from jinja2.exceptions import TemplateError
 
     if template is None:
@@ -88,9 +106,8 @@ def render_chat(
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise GenerationError(f"message {i} is {message!r}; each message is a dict with a 'role' and 'content'")
     try:
-        return _compile(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **(special_tokens or {})
-        )
+        variables = {**(special_tokens or {}), **check_template_kwargs(template_kwargs)}
+        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except TemplateError as err:
         raise GenerationError(f"the chat template of {source} refused the conversation: {err}") from None
     except Exception as err:  # the template's own code failed (a None added to a string, say): still its refusal

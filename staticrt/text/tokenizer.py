@@ -57,13 +57,20 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True, tokenize: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int] | str:
         """The conversation rendered by the checkpoint's template: its token ids (the template holds
-        the special tokens, so none are added, as in transformers), or with `tokenize=False` its text."""
+        the special tokens, so none are added, as in transformers), or with `tokenize=False` its text.
+        `template_kwargs`: extra variables it reads (Qwen3's `enable_thinking`, ...)."""
         if self.template_error is not None:
             raise self.template_error
-        text = render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens, self.source)
+        text = render_chat(
+            self.chat_template, messages, add_generation_prompt, self.special_tokens, self.source, template_kwargs
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def stream(self) -> TextStream:

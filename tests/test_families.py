@@ -1,0 +1,214 @@
+"""The families of 2025-26 (issue 63: Qwen3, Gemma 3, Phi-3/Phi-4-mini, SmolLM3, OLMo 2/3, Granite,
+Ministral 3) on tiny random checkpoints transformers saved from each family's own config class
+(tests/hf_models.py), loaded through staticrt's loader: greedy tokens equal transformers' on every
+backend and on each cache kind the family's config allows.
+
+Three prompts a batch (7, 40 and 3 tokens) and 40 new tokens: each row runs past position 32, where
+the long-context rotaries change (yarn's and longrope's pretraining length, Ministral 3's query
+scale), and Phi-3's longrope rows cross its switch (the short prompts, restarted from position 0
+as transformers does) or start past it (the long one). The compiled graphs, the heavy part, are
+built once a family; the backends whose point is the family, not the compile (the CUDA-graph
+backend's host side, the torch.export programs), share nothing they do not need.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import NEW_FAMILIES, hf_greedy
+
+import staticrt
+from staticrt.backends.cudagraph import HostReplayBackend
+from staticrt.caches import CacheSpec
+from staticrt.errors import CacheError, ConfigError, GenerationError
+from staticrt.exporters import export_artifact
+from staticrt.generation.generator import load_artifact
+
+PROMPTS = [[5, 17, 99, 3, 200, 45, 8], list(range(10, 50)), [1, 2, 3]]
+NEW_TOKENS = 40
+OPTIONS = dict(max_batch_size=3, max_cache_len=160)
+WINDOWED = {"gemma3_text": "hybrid", "olmo3": "hybrid"}  # a sliding layer, then a full one
+CASES = [(f, c) for f in NEW_FAMILIES for c in ("static", "offloaded", *([WINDOWED[f]] if f in WINDOWED else []))]
+
+
+@pytest.fixture(scope="module")
+def expected(hf_checkpoints):
+    """family -> transformers' greedy tokens for PROMPTS, each prompt alone."""
+    made: dict = {}
+
+    def get(family: str) -> list[list[int]]:
+        if family not in made:
+            made[family] = [hf_greedy(hf_checkpoints[family][1], p, NEW_TOKENS) for p in PROMPTS]
+        return made[family]
+
+    return get
+
+
+def cache_of(family: str) -> str:
+    return WINDOWED.get(family, "static")
+
+
+@pytest.mark.parametrize("family,cache", CASES)
+def test_eager_tokens_equal_transformers_on_each_cache(hf_checkpoints, expected, family, cache):
+    model = staticrt.load_model(hf_checkpoints[family][0])
+    assert model.config.family == family
+    gen = staticrt.Generator(model, cache=cache, **OPTIONS)
+    assert gen.backend.cache.kind == cache
+    assert gen.generate(PROMPTS, NEW_TOKENS) == expected(family)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_compiled_and_replayed_graphs_give_transformers_tokens(hf_checkpoints, expected, family):
+    """The compiled step graphs (never recompiled on a second generation), and the CUDA-graph
+    backend's host side on the CPU (each graph replayed from its static buffers)."""
+    model = staticrt.load_model(hf_checkpoints[family][0])
+    compiled = staticrt.Generator(model, cache=cache_of(family), backend="compiled", prefill_buckets=[64], **OPTIONS)
+    assert compiled.generate(PROMPTS, NEW_TOKENS) == expected(family)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        assert compiled.generate(PROMPTS[:1], NEW_TOKENS) == expected(family)[:1]
+    replayed = staticrt.Generator(HostReplayBackend(model, cache=cache_of(family), prefill_buckets=[64], **OPTIONS))
+    assert replayed.generate(PROMPTS, NEW_TOKENS) == expected(family)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_onnx_and_torch_export_artifacts_give_transformers_tokens(hf_checkpoints, expected, tmp_path, family):
+    """The ONNX graph (norms and rotaries fused where they match the standard ops) and the
+    torch.export programs AOTInductor compiles (compiled for Phi-3 below)."""
+    model = staticrt.load_model(hf_checkpoints[family][0])
+    folder = export_artifact(model, CacheSpec(cache_of(family), 3, 160), [64], tmp_path / family, ["pt2", "onnx"])
+    for backend in ("onnx", "pt2"):
+        assert load_artifact(folder, backend).generate(PROMPTS, NEW_TOKENS) == expected(family), backend
+
+
+def test_aoti_runs_phi3s_partial_rotary_and_longrope_switch(hf_checkpoints, expected, tmp_path):
+    """AOTInductor's compiled programs, on the family whose step differs most from Llama's: a
+    partial rotary, two sets of frequencies chosen in the graph, the restart at the switch."""
+    model = staticrt.load_model(hf_checkpoints["phi3"][0])
+    folder = export_artifact(model, CacheSpec("static", 3, 160), [64], tmp_path / "phi3", ["aoti"])
+    assert load_artifact(folder, "aoti").generate(PROMPTS, NEW_TOKENS) == expected("phi3")
+
+
+def test_longrope_restarts_a_row_from_position_0_at_its_switch_as_transformers_does(hf_checkpoints, expected):
+    """Phi-3 in transformers computes a sequence again from position 0 once it passes
+    original_max_position_embeddings (32 here): without the restart, the row that crosses keeps
+    what it wrote with the short factors and its tokens part from transformers'."""
+    model = staticrt.load_model(hf_checkpoints["phi3"][0])
+    gen = staticrt.Generator(model, cache="static", **OPTIONS)
+    assert gen.backend.rope_restart == 32
+    gen.backend.rope_restart = None  # the mutant: the switch without the restart
+    assert gen.generate(PROMPTS[:1], NEW_TOKENS) != expected("phi3")[:1]
+    gen.backend.rope_restart = 32
+    assert gen.generate(PROMPTS[:1], NEW_TOKENS, speculative="ngram:3") == expected("phi3")[:1]
+    with pytest.raises(GenerationError, match="beam search past position 32"):
+        gen.generate(PROMPTS[:1], NEW_TOKENS, num_beams=2)
+    narrow = staticrt.Generator(model, cache="static", prefill_buckets=[16], **OPTIONS)
+    with pytest.raises(GenerationError, match=r"one step of 33 tokens, past the largest prefill bucket 16"):
+        narrow.generate(PROMPTS[:1], NEW_TOKENS)
+    assert narrow.generate(PROMPTS[:1], 20) == [expected("phi3")[0][:20]]  # within the switch: no restart
+
+
+def test_a_kept_prefix_is_reused_only_on_its_own_side_of_the_longrope_switch(hf_checkpoints, expected):
+    model = staticrt.load_model(hf_checkpoints["phi3"][0])
+    gen = staticrt.Generator(model, cache="static", **OPTIONS)
+    short = PROMPTS[0] + [9, 9, 9]  # 10 tokens: the row holds the short world
+    gen.generate([short], 4)
+    longer = short + list(range(60, 90))  # 40 tokens: past the switch, so computed again from 0
+    assert gen.generate([longer], 8, reuse_prefix=True) == [hf_greedy(hf_checkpoints["phi3"][1], longer, 8)]
+    assert gen.last_stats.kept == [0]
+    assert gen.generate([longer + [5]], 8, reuse_prefix=True)[0] == hf_greedy(
+        hf_checkpoints["phi3"][1], longer + [5], 8
+    )
+    assert gen.last_stats.kept[0] > 30  # both past it: the prefix is kept
+
+
+@pytest.mark.parametrize("family", ["phi3", "smollm3", "ministral3"])
+def test_the_sink_cache_refuses_a_model_whose_layers_rotate_otherwise(hf_checkpoints, family):
+    model = staticrt.load_model(hf_checkpoints[family][0])
+    with pytest.raises(CacheError, match="the sink cache rotates queries back by one rotary embedding"):
+        staticrt.Generator(model, cache="sink", max_cache_len=64)
+
+
+def test_an_unknown_family_is_refused_by_name_with_what_runs(tmp_path):
+    from staticrt.loading.hf_config import config_from_hf
+
+    with pytest.raises(ConfigError) as refused:
+        config_from_hf({"model_type": "qwen3_moe"}, "config.json")
+    assert str(refused.value) == (
+        "config.json: model_type 'qwen3_moe' is not supported; staticrt runs llama, mistral, qwen2, gemma2, "
+        "qwen3, gemma3_text, phi3, smollm3, olmo2, olmo3, granite, ministral3, gemma3, mistral3 checkpoints"
+    )
+    with pytest.raises(ConfigError, match="use_bidirectional_attention is set: this is an encoder"):
+        config_from_hf({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "config.json")
+
+
+def test_a_qwen3_gguf_converts_and_runs_the_tokens_of_the_folder_it_was_written_from(tmp_path):
+    """llama.cpp's layout for Qwen3 (bench/gguf_write.py: its q/k norms, rows in transformers'
+    order) read back through transformers' GGUF reader, which gives Qwen3 its usual head_dim 128."""
+    pytest.importorskip("gguf", reason="GGUF needs the gguf extra: use the README's test command")
+    from hf_models import save_hf_model
+
+    from staticrt.bench.gguf_write import write_gguf
+
+    save_hf_model("qwen3", tmp_path / "qwen3", head_dim=128)
+    model = staticrt.load_model(tmp_path / "qwen3")
+    from_gguf = staticrt.load_model(write_gguf(model, tmp_path / "qwen3.F32.gguf", "F32"))
+    assert (from_gguf.config.family, from_gguf.config.qk_norm, from_gguf.config.head_dim) == ("qwen3", "head", 128)
+    options = dict(max_batch_size=3, max_cache_len=96)
+    ours = staticrt.Generator(from_gguf, **options).generate(PROMPTS, 24)
+    assert ours == staticrt.Generator(model, **options).generate(PROMPTS, 24)
+
+
+def test_a_gguf_of_an_architecture_transformers_does_not_read_is_refused_by_name(tmp_path):
+    gguf = pytest.importorskip("gguf", reason="GGUF needs the gguf extra: use the README's test command")
+    from staticrt.errors import CheckpointError
+
+    writer = gguf.GGUFWriter(str(tmp_path / "olmo.gguf"), "olmo2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError) as refused:
+        staticrt.load_model(tmp_path / "olmo.gguf")
+    assert str(refused.value) == (
+        "olmo.gguf holds a 'olmo2' model; staticrt convert reads GGUF through transformers, whose reader gives "
+        "staticrt the architectures llama, mistral, qwen2, gemma2, qwen3, gemma3, phi3: convert the model's "
+        "safetensors checkpoint folder instead (staticrt run --model FOLDER)"
+    )
+
+
+QWEN3_TEMPLATE = (  # the end of Qwen3's template: its thinking switch on the generation prompt
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp_path, capsys):
+    """Qwen3's `enable_thinking`, from the Python API, `staticrt run --chat-template-kwargs` and a
+    request's `chat_template_kwargs`: the text transformers renders with the same variables."""
+    import transformers
+
+    from staticrt.bench.serve_bench import checkpoint_folder
+    from staticrt.cli.main import main
+    from staticrt.serve.protocol import BadRequest, chat_prompt
+
+    folder = checkpoint_folder("tiny-llama", tmp_path)
+    (folder / "chat_template.jinja").write_text(QWEN3_TEMPLATE)
+    ours, theirs = staticrt.load_model(folder).tokenizer, transformers.AutoTokenizer.from_pretrained(folder)
+    turn = [{"role": "user", "content": "t5 t6"}]
+    for extra in ({"enable_thinking": False}, {"enable_thinking": True}, None):
+        text = ours.apply_chat_template(turn, tokenize=False, template_kwargs=extra)
+        assert text == theirs.apply_chat_template(turn, tokenize=False, add_generation_prompt=True, **(extra or {}))
+    assert "<think>" in ours.apply_chat_template(turn, tokenize=False, template_kwargs={"enable_thinking": False})
+    body = {"messages": turn, "chat_template_kwargs": {"enable_thinking": False}}
+    assert chat_prompt(body, ours) == ours.apply_chat_template(turn, template_kwargs={"enable_thinking": False})
+    with pytest.raises(BadRequest, match="chat_template_kwargs sets messages, which the conversation itself gives"):
+        chat_prompt({**body, "chat_template_kwargs": {"messages": []}}, ours)
+    command = ["run", "--model", str(folder), "--chat", "t5 t6", "--max-new-tokens", "2", "--json"]
+    assert main([*command, "--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    with pytest.raises(SystemExit):
+        main([*command, "--chat-template-kwargs", "[1]"])
+    assert "is not a JSON object; write one like" in capsys.readouterr().err
