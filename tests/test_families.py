@@ -19,7 +19,7 @@ from hf_models import NEW_FAMILIES, hf_greedy
 
 import staticrt
 from staticrt.backends.cudagraph import HostReplayBackend
-from staticrt.caches import CacheSpec
+from staticrt.caches import CacheSpec, build_cache
 from staticrt.errors import CacheError, ConfigError, GenerationError
 from staticrt.exporters import export_artifact
 from staticrt.generation.generator import load_artifact
@@ -55,6 +55,20 @@ def test_eager_tokens_equal_transformers_on_each_cache(hf_checkpoints, expected,
     gen = staticrt.Generator(model, cache=cache, **OPTIONS)
     assert gen.backend.cache.kind == cache
     assert gen.generate(PROMPTS, NEW_TOKENS) == expected(family)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_logits_equal_transformers_over_a_prompt_past_the_long_context_switches(hf_checkpoints, family):
+    """The logits themselves, which greedy tokens cannot check where a family scales them all
+    (Granite's logits_scaling leaves every argmax as it was)."""
+    folder, hf = hf_checkpoints[family]
+    model = staticrt.load_model(folder)
+    ids = torch.tensor([PROMPTS[1]])  # 40 tokens, past position 32
+    cache = build_cache(model.config, CacheSpec(cache_of(family), 1, 64), torch.float32)
+    with torch.no_grad():
+        ours = model(ids, torch.tensor([0]), cache, last_only=False)[0]  # [T, V]
+        theirs = hf(ids).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
