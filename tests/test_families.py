@@ -102,7 +102,9 @@ def test_aoti_runs_phi3s_partial_rotary_and_longrope_switch(hf_checkpoints, expe
     assert load_artifact(folder, "aoti").generate(PROMPTS, NEW_TOKENS) == expected("phi3")
 
 
-def test_longrope_restarts_a_row_from_position_0_at_its_switch_as_transformers_does(hf_checkpoints, expected):
+def test_longrope_restarts_a_row_from_position_0_at_its_switch_as_transformers_does(
+    hf_checkpoints, expected, monkeypatch
+):
     """Phi-3 in transformers computes a sequence again from position 0 once it passes
     original_max_position_embeddings (32 here): without the restart, the row that crosses keeps
     what it wrote with the short factors and its tokens part from transformers'."""
@@ -112,7 +114,16 @@ def test_longrope_restarts_a_row_from_position_0_at_its_switch_as_transformers_d
     gen.backend.rope_restart = None  # the mutant: the switch without the restart
     assert gen.generate(PROMPTS[:1], NEW_TOKENS) != expected("phi3")[:1]
     gen.backend.rope_restart = 32
-    assert gen.generate(PROMPTS[:1], NEW_TOKENS, speculative="ngram:3") == expected("phi3")[:1]
+    # The model as its own draft drafts every step (the policy's clock left out: it never pauses);
+    # a verify step stops short of the switch (from this 8-token prompt one would cross it,
+    # measured), and the row at it restarts.
+    from staticrt.generation.draft_policy import DraftPolicy
+
+    monkeypatch.setattr(DraftPolicy, "timed", lambda policy, seconds, tokens: policy.decode_s.append(seconds))
+    own = staticrt.Speculation("model", 3, drafter=staticrt.Generator(model, cache="static", **OPTIONS))
+    crossing = list(range(20, 28))
+    assert gen.generate([crossing], NEW_TOKENS, speculative=own) == [hf_greedy(hf_checkpoints["phi3"][1], crossing, 40)]
+    assert gen.last_stats.accepted == gen.last_stats.drafted >= 12
     with pytest.raises(GenerationError, match="beam search past position 32"):
         gen.generate(PROMPTS[:1], NEW_TOKENS, num_beams=2)
     narrow = staticrt.Generator(model, cache="static", prefill_buckets=[16], **OPTIONS)
