@@ -13,6 +13,8 @@ backend's host side, the torch.export programs), share nothing they do not need.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hf_models import NEW_FAMILIES, hf_greedy
@@ -55,6 +57,19 @@ def test_eager_tokens_equal_transformers_on_each_cache(hf_checkpoints, expected,
     gen = staticrt.Generator(model, cache=cache, **OPTIONS)
     assert gen.backend.cache.kind == cache
     assert gen.generate(PROMPTS, NEW_TOKENS) == expected(family)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_staticrt_run_answers_with_transformers_tokens(hf_checkpoints, expected, capsys, family):
+    """What a new user tries first: `staticrt run --model DIR`, which refused these families."""
+    import json
+
+    from staticrt.cli.main import main
+
+    ids = ",".join(map(str, PROMPTS[0]))
+    command = ["run", "--model", str(hf_checkpoints[family][0]), "--prompt-ids", ids, "--json"]
+    assert main([*command, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == expected(family)[:1]
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
@@ -178,18 +193,43 @@ def test_an_unknown_family_is_refused_by_name_with_what_runs(tmp_path):
         config_from_hf({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "config.json")
 
 
-def test_a_qwen3_gguf_converts_and_runs_the_tokens_of_the_folder_it_was_written_from(tmp_path):
-    """llama.cpp's layout for Qwen3 (bench/gguf_write.py: its q/k norms, rows in transformers'
-    order) read back through transformers' GGUF reader, which gives Qwen3 its usual head_dim 128."""
+# Each family whose GGUF transformers reads, as its reader takes it: what it leaves to the config
+# class's defaults (Qwen3's head_dim 128, Gemma 3's query_pre_attn_scalar, local base and 5:1
+# layers, Phi-3's full rotary) set to those defaults.
+GGUF_CASES = {
+    "qwen3": dict(head_dim=128),
+    "gemma3_text": dict(
+        num_hidden_layers=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        query_pre_attn_scalar=256,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+    ),
+    "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+}
+
+
+@pytest.mark.parametrize("family", GGUF_CASES)
+def test_a_gguf_converts_and_runs_the_tokens_of_the_folder_it_was_written_from(tmp_path, family):
+    """llama.cpp's layout for the family (bench/gguf_write.py: Qwen3's and Gemma 3's q/k norms,
+    Gemma's norms as 1 + w, Phi-3's fused q/k/v and gate/up) read back through transformers' GGUF
+    reader by `--model FILE.gguf`."""
     pytest.importorskip("gguf", reason="GGUF needs the gguf extra: use the README's test command")
     from hf_models import save_hf_model
 
     from staticrt.bench.gguf_write import write_gguf
 
-    save_hf_model("qwen3", tmp_path / "qwen3", head_dim=128)
-    model = staticrt.load_model(tmp_path / "qwen3")
-    from_gguf = staticrt.load_model(write_gguf(model, tmp_path / "qwen3.F32.gguf", "F32"))
-    assert (from_gguf.config.family, from_gguf.config.qk_norm, from_gguf.config.head_dim) == ("qwen3", "head", 128)
+    save_hf_model(family, tmp_path / family, **GGUF_CASES[family])
+    model = staticrt.load_model(tmp_path / family)
+    from_gguf = staticrt.load_model(write_gguf(model, tmp_path / f"{family}.F32.gguf", "F32"))
+    # the same model but for the ids the GGUF's placeholder vocabulary names, and eps stored as float32
+    same = {
+        name: getattr(model.config, name) for name in ("rms_norm_eps", "bos_token_id", "pad_token_id", "eos_token_ids")
+    }
+    assert dataclasses.replace(from_gguf.config, **same) == model.config
+    assert from_gguf.config.rms_norm_eps == pytest.approx(model.config.rms_norm_eps)
     options = dict(max_batch_size=3, max_cache_len=96)
     ours = staticrt.Generator(from_gguf, **options).generate(PROMPTS, 24)
     assert ours == staticrt.Generator(model, **options).generate(PROMPTS, 24)

@@ -1,9 +1,11 @@
-"""A Llama- or Qwen3-family `Decoder` written as a GGUF file llama.cpp runs, so `bench --gguf Q4_0`
-can time llama.cpp on the very weights staticrt runs (a preset has no GGUF of its own).
+"""A Llama, Qwen3, Gemma 3 or Phi-3 `Decoder` written as a GGUF file llama.cpp runs, so `bench --gguf
+Q4_0` can time llama.cpp on the very weights staticrt runs (a preset has no GGUF of its own), and the
+tests can convert each family's GGUF back through transformers' reader.
 
-The layout is llama.cpp's own converter's (convert_hf_to_gguf.py, `LlamaModel` and `Qwen3Model`):
-its tensor names, Llama's Q and K rows permuted for its interleaved RoPE (Qwen's rotate in halves,
-as transformers does, and keep their order), Qwen3's q/k norms, the projections in the asked block type
+The layout is llama.cpp's own converter's (convert_hf_to_gguf.py: `LlamaModel`, `Qwen3Model`,
+`Gemma3Model`, `Phi3MiniModel`): its tensor names, Llama's Q and K rows permuted for its interleaved
+RoPE (the others rotate in halves, as transformers does, and keep their order), Gemma's norms stored
+as 1 + w, Phi-3's fused q/k/v and gate/up, the projections in the asked block type
 (quantized by the gguf library, llama.cpp's reference code in NumPy), the embedding and head in
 Q8_0 as 8-bit companions, norms in F32. Presets have no tokenizer: the vocabulary is placeholder
 pieces (byte pieces where they fit), since the bench feeds token ids.
@@ -19,15 +21,34 @@ import numpy as np
 from ..errors import BenchError
 from ..models.decoder import Decoder
 from ..models.gguf_blocks import PROJECTIONS
-from .plan import GGUF_TYPES  # what `bench --gguf` writes; F32 too, for an exact comparison
+from .plan import GGUF_TYPES  # what `bench --gguf` writes (F32: the float model, as staticrt runs it)
 
-# checkpoint name inside a layer -> llama.cpp's: the projections as convert reads them, and the norms
-PARTS = {hf: short for short, hf in PROJECTIONS.items()} | {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
+NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-ARCHITECTURES = ("llama", "qwen3")  # the families written; llama.cpp's architecture of the same name
+SPLIT = {hf: short for short, hf in PROJECTIONS.items()}  # q, k, v, o, gate, up, down apart
+# family -> (llama.cpp's architecture, each layer tensor's name there by the decoder's: a parameter
+# of the decoder where llama.cpp fuses it too, Phi-3's q/k/v and gate/up), as its convert_hf_to_gguf.py writes them
+ARCHITECTURES = {
+    "llama": ("llama", SPLIT | NORMS),
+    "qwen3": ("qwen3", SPLIT | NORMS | QK_NORMS),
+    "gemma3_text": (
+        "gemma3",
+        SPLIT
+        | QK_NORMS
+        | {
+            "input_layernorm": "attn_norm",
+            "post_attention_layernorm": "post_attention_norm",
+            "pre_feedforward_layernorm": "ffn_norm",
+            "post_feedforward_layernorm": "post_ffw_norm",
+        },
+    ),
+    "phi3": (
+        "phi3",
+        {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up"}
+        | {"mlp.down_proj": "ffn_down"}
+        | NORMS,
+    ),
+}
 
 
 def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -38,24 +59,39 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def check_writable(model: Decoder, qtype: str) -> None:
-    """Refuse, naming what, a model or type this writer cannot produce a faithful GGUF of."""
+    """Refuse, naming what, a model or type this writer cannot produce a faithful GGUF of: one that
+    llama.cpp and transformers' GGUF reader (`staticrt convert`) both read as this model. The reader
+    takes Gemma 3's query_pre_attn_scalar, local base and layer pattern, and Phi-3's rotary width,
+    from its config class's defaults, which the model must then have."""
     c = model.config
+    gemma3 = c.family == "gemma3_text"
     unsupported = [
         what
         for what, present in (
             (f"family {c.family!r}", c.family not in ARCHITECTURES),
             ("biases", c.attention_bias or c.qkv_bias or c.mlp_bias),
             (f"rope {c.rope.kind!r}", c.rope.kind != "default"),
+            ("a partial rotary", c.rotary_dim != c.head_dim),
             ("quantized weights", model.quantization is not None),
+            (
+                "Gemma 3 settings other than its defaults (query_pre_attn_scalar 256, local base 10000, 5:1 layers)",
+                gemma3 and not _gemma3_defaults(c),
+            ),
         )
         if present
     ]
-    if unsupported or qtype not in (*GGUF_TYPES, "F32"):
+    if unsupported or qtype not in GGUF_TYPES:
         raise BenchError(
-            f"--gguf {qtype}: writes a float Llama or Qwen3 model (no biases, default RoPE) as "
+            f"--gguf {qtype}: writes a float Llama, Qwen3, Gemma 3 or Phi-3 model (no biases, default RoPE) as "
             f"{', '.join(GGUF_TYPES)}; this model has {', '.join(unsupported) or 'no such type'}: pass a GGUF "
             "file of it instead"
         )
+
+
+def _gemma3_defaults(c: Any) -> bool:
+    local = c.rope_local or c.rope
+    pattern = tuple("sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(c.num_layers))
+    return c.query_pre_attn_scalar == 256 and local.theta == 10000.0 and c.layer_types == pattern
 
 
 def _add_vocabulary(writer: Any, size: int) -> None:
@@ -73,6 +109,7 @@ def _add_vocabulary(writer: Any, size: int) -> None:
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)  # else transformers' reader keeps a config class's default (Phi-3's 32000)
 
 
 def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
@@ -83,7 +120,8 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
 
     check_writable(model, qtype)
     c = model.config
-    writer = gguf.GGUFWriter(str(path), c.family)
+    architecture, layer_names = ARCHITECTURES[c.family]
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("staticrt bench model")
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -93,13 +131,17 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
     writer.add_head_count_kv(c.num_kv_heads)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
-    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_dimension_count(c.rotary_dim)
     writer.add_rope_freq_base(c.rope.theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_vocab_size(c.vocab_size)
+    if c.sliding_window is not None:
+        writer.add_sliding_window(c.sliding_window)
     _add_vocabulary(writer, c.vocab_size)
 
     def add(name: str, values: np.ndarray, kind: str) -> None:
+        if name.endswith("norm.weight") and c.norm_offset:
+            values = values + c.norm_offset  # llama.cpp stores Gemma's (1 + w) whole
         if kind == "F32" or values.ndim == 1:
             writer.add_tensor(name, values)
         else:
@@ -107,17 +149,20 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
                 name, quantize(values, gguf.GGMLQuantizationType[kind]), raw_dtype=gguf.GGMLQuantizationType[kind]
             )
 
-    # row-major [out, in] float32, as checkpoints hold it
-    state = {name: t.detach().float().contiguous().numpy() for name, t in model.state_dict().items()}
+    # row-major [out, in] float32, as checkpoints hold it; a fused projection under its own name too
+    fused = {
+        name: t for name, t in model.named_parameters() if name.endswith(("qkv_proj.weight", "gate_up_proj.weight"))
+    }
+    state = {name: t.detach().float().contiguous().numpy() for name, t in (model.state_dict() | fused).items()}
     companion = "F32" if qtype == "F32" else "Q8_0"
     add("token_embd.weight", state["embed_tokens.weight"], companion)
     for i in range(c.num_layers):
-        for part, short in PARTS.items() | (QK_NORMS.items() if c.qk_norm else {}.items()):
+        for part, short in layer_names.items():
             weight = state[f"layers.{i}.{part}.weight"]
-            if short in ("attn_q", "attn_k") and c.family == "llama":
+            if short in ("attn_q", "attn_k") and architecture == "llama":
                 heads = c.num_heads if short == "attn_q" else c.num_kv_heads
                 weight = _permute(weight, heads)
-            add(f"blk.{i}.{short}.weight", weight, qtype)
+            add(f"blk.{i}.{short}.weight", weight, "F32" if weight.ndim == 1 else qtype)
     add("output_norm.weight", state["norm.weight"], "F32")
     if "lm_head.weight" in state:  # a tied head is the embedding, which llama.cpp reads when `output` is absent
         add("output.weight", state["lm_head.weight"], companion)

@@ -15,7 +15,7 @@ from ..errors import BenchError
 from ..models.quant_spec import parse_quantize
 
 QUANTO_CACHE = "quanto-int4"  # transformers' QuantizedCache (bench/hf.py)
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # `--gguf` names that write the model as a GGUF (gguf_write.py)
+GGUF_TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1")  # `--gguf` names that write the model as a GGUF (gguf_write.py)
 FLOAT_ONLY = ("hf",)  # transformers runs the float weights only
 GRAPH_QUANTIZED = ("onnx",)  # exported from the float weights, the graph quantizes its own (onnx_quantize.py)
 
