@@ -28,6 +28,10 @@ FAMILIES = (
     "olmo3",
     "granite",
     "ministral3",
+    "mixtral",
+    "qwen3_moe",
+    "olmoe",
+    "gpt_oss",
 )
 LAYER_KINDS = ("full_attention", "sliding_attention")
 # The MLP activations models/feed_forward.py implements, by transformers' names: silu (and its alias swish), and
@@ -132,6 +136,18 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None  # the attention scale, in place of 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # logits are divided by it
+    # Mixture of experts (models/moe.py); num_experts 0: a dense MLP on every layer.
+    num_experts: int = 0
+    experts_per_token: int = 0  # k: the experts each token's MLP reads
+    moe_intermediate_size: int = 0  # each expert's; 0: intermediate_size
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the experts' (the others dense); () with experts: all
+    router_renormalizes: bool = False  # the k chosen weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    router_weights_float32: bool = False  # the weights stay float32 (Mixtral); else cast to the model's dtype
+    router_topk_first: bool = False  # gpt-oss: the k best logits, then a softmax over them (else softmax, then k)
+    moe_bias: bool = False  # biases on the router and every expert's projections (gpt-oss)
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g), g clamped
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False  # a learned logit a head that joins every softmax's denominator (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -162,6 +178,7 @@ class ModelConfig:
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
         self._check_additions()
+        self._check_experts()
 
     def _check_additions(self) -> None:
         """The later families' switches: each in its range, before a weight is read."""
@@ -189,6 +206,19 @@ class ModelConfig:
                         f"longrope short_factor and long_factor must each hold rotary width / 2 = {rotary // 2} "
                         f"values (they hold {len(rope.short_factor)} and {len(rope.long_factor)}); restore config.json"
                     )
+
+    def _check_experts(self) -> None:
+        if not self.num_experts:
+            object.__setattr__(self, "moe_layers", ())
+            return
+        k, experts = self.experts_per_token, self.num_experts
+        if not 0 < k <= experts:
+            raise ConfigError(f"num_experts_per_tok is {k}; it must lie in 1..num_experts ({experts})")
+        layers = tuple(sorted({int(i) for i in self.moe_layers})) or tuple(range(self.num_layers))
+        if any(not 0 <= i < self.num_layers for i in layers):
+            raise ConfigError(f"the expert layers {list(layers)} name layers outside 0..{self.num_layers - 1}")
+        object.__setattr__(self, "moe_layers", layers)
+        object.__setattr__(self, "moe_intermediate_size", self.moe_intermediate_size or self.intermediate_size)
 
     @property
     def attention_scale(self) -> float:
@@ -227,6 +257,6 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data.get("rope", {}))
         if data.get("rope_local") is not None:
             data["rope_local"] = RopeConfig(**data["rope_local"])
-        for name in ("layer_types", "eos_token_ids", "nope_layers"):
+        for name in ("layer_types", "eos_token_ids", "nope_layers", "moe_layers"):
             data[name] = tuple(data.get(name, ()))
         return cls(**data)

@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("STATICRT_HYPOTHESIS", "ci"))
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_models import NEW_FAMILIES, save_hf_model  # noqa: E402
+from hf_models import MOE_FAMILIES, NEW_FAMILIES, save_hf_model  # noqa: E402
 
 from staticrt.cli.main import main  # noqa: E402
 
@@ -55,8 +55,25 @@ def hf_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {
         fam: (root / fam, save_hf_model(fam, root / fam))
-        for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES
+        for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES + MOE_FAMILIES
     }
+
+
+@pytest.fixture(scope="module")
+def transformers_tokens(hf_checkpoints):
+    """(family, prompts, new tokens) -> transformers' greedy tokens for each prompt alone, computed
+    once a module."""
+    from hf_models import hf_greedy
+
+    made: dict = {}
+
+    def get(family: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        key = (family, tuple(map(tuple, prompts)), new_tokens)
+        if key not in made:
+            made[key] = [hf_greedy(hf_checkpoints[family][1], p, new_tokens) for p in prompts]
+        return made[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")

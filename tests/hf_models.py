@@ -56,6 +56,8 @@ def family_config(family: str, **overrides):
         cfg = tf.Gemma2Config(**COMMON, head_dim=16, sliding_window=16, query_pre_attn_scalar=16)
     elif family in NEW_FAMILIES:
         cfg = new_family_config(tf, family)
+    elif family in MOE_FAMILIES:
+        cfg = moe_config(tf, family)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -114,6 +116,41 @@ def new_family_config(tf, family: str):
             "llama_4_scaling_beta": 0.1,
         }
         return tf.Ministral3Config(**common, head_dim=20, rope_parameters=rope)
+    raise ValueError(family)
+
+
+# Mixtures of experts (issue 64): E 4-8, k 1-2, each family's router and layer pattern.
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+
+
+def moe_config(tf, family: str):
+    common = {**COMMON, "max_position_embeddings": 128}
+    if family == "mixtral":  # a window on every layer, softmax renormalised over k = 2 of 4
+        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)
+    if family == "qwen3_moe":  # 8 experts, layer 1 dense, experts narrower than the dense MLP
+        return tf.Qwen3MoeConfig(
+            **common,
+            head_dim=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
+    if family == "olmoe":  # k = 1, weights not renormalised
+        return tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=1)
+    if family == "gpt_oss":  # sinks, biases, sliding then full, yarn past 32
+        yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        rope = {**yarn, "original_max_position_embeddings": 32, "rope_theta": 150000.0}
+        return tf.GptOssConfig(  # a SwiGLU limit these small activations reach (the real one is 7)
+            **common,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=16,
+            rope_parameters=rope,
+            swiglu_limit=0.3,
+        )
     raise ValueError(family)
 
 

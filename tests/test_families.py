@@ -33,17 +33,10 @@ WINDOWED = {"gemma3_text": "hybrid", "olmo3": "hybrid"}  # a sliding layer, then
 CASES = [(f, c) for f in NEW_FAMILIES for c in ("static", "offloaded", *([WINDOWED[f]] if f in WINDOWED else []))]
 
 
-@pytest.fixture(scope="module")
-def expected(hf_checkpoints):
+@pytest.fixture
+def expected(transformers_tokens):
     """family -> transformers' greedy tokens for PROMPTS, each prompt alone."""
-    made: dict = {}
-
-    def get(family: str) -> list[list[int]]:
-        if family not in made:
-            made[family] = [hf_greedy(hf_checkpoints[family][1], p, NEW_TOKENS) for p in PROMPTS]
-        return made[family]
-
-    return get
+    return lambda family: transformers_tokens(family, PROMPTS, NEW_TOKENS)
 
 
 def cache_of(family: str) -> str:
@@ -184,10 +177,11 @@ def test_an_unknown_family_is_refused_by_name_with_what_runs(tmp_path):
     from staticrt.loading.hf_config import config_from_hf
 
     with pytest.raises(ConfigError) as refused:
-        config_from_hf({"model_type": "qwen3_moe"}, "config.json")
+        config_from_hf({"model_type": "qwen2_moe"}, "config.json")
     assert str(refused.value) == (
-        "config.json: model_type 'qwen3_moe' is not supported; staticrt runs llama, mistral, qwen2, gemma2, "
-        "qwen3, gemma3_text, phi3, smollm3, olmo2, olmo3, granite, ministral3, gemma3, mistral3 checkpoints"
+        "config.json: model_type 'qwen2_moe' is not supported; staticrt runs llama, mistral, qwen2, gemma2, "
+        "qwen3, gemma3_text, phi3, smollm3, olmo2, olmo3, granite, ministral3, mixtral, qwen3_moe, olmoe, gpt_oss, "
+        "gemma3, mistral3 checkpoints"
     )
     with pytest.raises(ConfigError, match="use_bidirectional_attention is set: this is an encoder"):
         config_from_hf({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "config.json")
@@ -195,7 +189,8 @@ def test_an_unknown_family_is_refused_by_name_with_what_runs(tmp_path):
 
 # Each family whose GGUF transformers reads, as its reader takes it: what it leaves to the config
 # class's defaults (Qwen3's head_dim 128, Gemma 3's query_pre_attn_scalar, local base and 5:1
-# layers, Phi-3's full rotary) set to those defaults.
+# layers, Phi-3's full rotary, Qwen3-MoE's expert width 768 and its experts on every layer) set
+# to those defaults.
 GGUF_CASES = {
     "qwen3": dict(head_dim=128),
     "gemma3_text": dict(
@@ -208,6 +203,7 @@ GGUF_CASES = {
         },
     ),
     "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+    "qwen3_moe": dict(head_dim=128, mlp_only_layers=[], moe_intermediate_size=768),  # its experts 3-D, as llama.cpp's
 }
 
 
@@ -250,7 +246,7 @@ def test_a_gguf_of_an_architecture_transformers_does_not_read_is_refused_by_name
         staticrt.load_model(tmp_path / "olmo.gguf")
     assert str(refused.value) == (
         "olmo.gguf holds a 'olmo2' model; staticrt convert reads GGUF through transformers, whose reader gives "
-        "staticrt the architectures llama, mistral, qwen2, gemma2, qwen3, gemma3, phi3: convert the model's "
+        "staticrt the architectures llama, mistral, qwen2, gemma2, qwen3, gemma3, phi3, qwen3moe: convert the model's "
         "safetensors checkpoint folder instead (staticrt run --model FOLDER)"
     )
 

@@ -26,6 +26,12 @@ from .plan import GGUF_TYPES  # what `bench --gguf` writes (F32: the float model
 NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 SPLIT = {hf: short for short, hf in PROJECTIONS.items()}  # q, k, v, o, gate, up, down apart
+# a mixture of experts: the router, and each stacked projection as llama.cpp's 3-D tensor (`_expert_tensors`)
+EXPERTS = {
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_up_proj": "ffn_gate_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+}
 # family -> (llama.cpp's architecture, each layer tensor's name there by the decoder's: a parameter
 # of the decoder where llama.cpp fuses it too, Phi-3's q/k/v and gate/up), as its convert_hf_to_gguf.py writes them
 ARCHITECTURES = {
@@ -42,6 +48,7 @@ ARCHITECTURES = {
             "post_feedforward_layernorm": "post_ffw_norm",
         },
     ),
+    "qwen3_moe": ("qwen3moe", SPLIT | NORMS | QK_NORMS | EXPERTS),
     "phi3": (
         "phi3",
         {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up"}
@@ -82,8 +89,8 @@ def check_writable(model: Decoder, qtype: str) -> None:
     ]
     if unsupported or qtype not in GGUF_TYPES:
         raise BenchError(
-            f"--gguf {qtype}: writes a float Llama, Qwen3, Gemma 3 or Phi-3 model (no biases, default RoPE) as "
-            f"{', '.join(GGUF_TYPES)}; this model has {', '.join(unsupported) or 'no such type'}: pass a GGUF "
+            f"--gguf {qtype}: writes a float Llama, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3 model (no biases, default "
+            f"RoPE) as {', '.join(GGUF_TYPES)}; this model has {', '.join(unsupported) or 'no such type'}: pass a GGUF "
             "file of it instead"
         )
 
@@ -137,6 +144,11 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
     writer.add_vocab_size(c.vocab_size)
     if c.sliding_window is not None:
         writer.add_sliding_window(c.sliding_window)
+    if c.num_experts:
+        writer.add_expert_count(c.num_experts)
+        writer.add_expert_used_count(c.experts_per_token)
+        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        writer.add_expert_weights_norm(c.router_renormalizes)  # Qwen3-MoE's norm_topk_prob
     _add_vocabulary(writer, c.vocab_size)
 
     def add(name: str, values: np.ndarray, kind: str) -> None:
@@ -158,11 +170,19 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
     add("token_embd.weight", state["embed_tokens.weight"], companion)
     for i in range(c.num_layers):
         for part, short in layer_names.items():
-            weight = state[f"layers.{i}.{part}.weight"]
+            name = next((n for n in (f"layers.{i}.{part}.weight", f"layers.{i}.{part}") if n in state), None)
+            if name is None:  # the other kind of MLP: a MoE model's dense layer, or its experts' names on one
+                continue
+            weight = state[name]
             if short in ("attn_q", "attn_k") and architecture == "llama":
                 heads = c.num_heads if short == "attn_q" else c.num_kv_heads
                 weight = _permute(weight, heads)
-            add(f"blk.{i}.{short}.weight", weight, "F32" if weight.ndim == 1 else qtype)
+            if short == "ffn_gate_up_exps":  # llama.cpp keeps the experts' gate and up apart, [E, I, H] each
+                gate, up = np.split(weight, 2, axis=1)
+                add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate), qtype)
+                add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up), qtype)
+                continue
+            add(f"blk.{i}.{short}.weight", weight, "F32" if weight.ndim == 1 or short == "ffn_gate_inp" else qtype)
     add("output_norm.weight", state["norm.weight"], "F32")
     if "lm_head.weight" in state:  # a tied head is the embedding, which llama.cpp reads when `output` is absent
         add("output.weight", state["lm_head.weight"], companion)

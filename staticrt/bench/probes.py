@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..config import ModelConfig
 from ..models.a8_linear import A8Linear
 from ..models.decoder import Decoder
+from ..models.moe import Experts
 from ..models.packed_linear import PackedLookup
 
 
@@ -28,7 +29,8 @@ def stored_bytes(tensor: torch.Tensor) -> int:
 def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     """Bytes of weights one decode step reads: every matrix once (as stored: int8 / int4 with
     their scales when quantized; staticrt's int8-activation kernels' codes and scales are buffers), but of an
-    untied embedding table only the looked-up rows."""
+    untied embedding table only the looked-up rows, and of a layer's E experts the k a row reads
+    (models/moe.py: min(E, rows x k) of them, the most a batch's rows can touch)."""
     codes = [b for m in model.modules() if isinstance(m, A8Linear) for b in m.buffers(recurse=False)]
     # A packed lookup's table is the packed head's bytes, counted with the head.
     held = [p for m in model.modules() if not isinstance(m, PackedLookup) for p in m.parameters(recurse=False)]
@@ -37,6 +39,9 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     if model.lm_head is not None and embed is not getattr(model.lm_head, "weight", None):  # not a packed head's
         total -= embed.numel() * embed.element_size()
         total += batch_size * embed.shape[1] * embed.element_size()
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        count, whole = experts.gate_up_proj.shape[0], sum(stored_bytes(p) for p in experts.parameters())
+        total -= whole - whole * min(count, batch_size * model.config.experts_per_token) // count
     return total
 
 

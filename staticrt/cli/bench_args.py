@@ -38,10 +38,9 @@ def add_bench_parser(sub: Any) -> None:
         "--gguf",
         default=None,
         metavar="FILE[,FILE]",
-        help="also run llama.cpp on these GGUF files (the same model at its own quantization; batch 1), "
-        "labelled llamacpp-Q4_1 etc., or on the bench's model written as GGUF: F32, Q8_0, Q4_0, Q4_1 in place of "
-        "a file (a float Llama or Qwen3 model, e.g. bench-llama, bench-qwen3) (the llamacpp extra: llama-cpp-python, "
-        "built from source)",
+        help="also run llama.cpp on these GGUF files (its own quantization; batch 1), labelled llamacpp-Q4_1 etc., "
+        "or on the bench's model written as GGUF: F32, Q8_0, Q4_0, Q4_1 in place of a file (bench/gguf_write.py "
+        "writes Llama, Qwen3, Gemma 3, Phi-3) (the llamacpp extra: llama-cpp-python, built from source)",
     )
     bench.add_argument(
         "--window",

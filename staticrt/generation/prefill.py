@@ -85,11 +85,13 @@ def restart_width(backend: StepBackend, prompt_lengths: list[int], max_new_token
             f"bucket {backend.buckets[-1]}: {backend.remedy('prefill_buckets')} of {restart + 1} or more, or "
             "keep prompt and new tokens within it"
         )
-    # The other rows decode in that step, each writing `width` columns from its position (padding past
-    # it), where the backend writes each row at its own positions (restart_step says the other case).
-    limit, steps = backend.max_sequence_len, [restart - n for n in prompt_lengths if n <= restart]
-    limit = limit if backend.row_positions else None
-    reach = max(n + step for n in prompt_lengths for step in steps if step < max_new_tokens) + width
+    # The restarting rows write `width` columns from 0; the others decode in that step, each writing
+    # `width` columns from its position (padding past it), where the backend writes each row at its
+    # own positions (restart_step says the other case). A row beyond the request sits at its step + 1.
+    limit = backend.max_sequence_len if backend.row_positions else None
+    lengths = [*prompt_lengths, *([1] * (backend.batch_size - len(prompt_lengths)))]
+    steps = {restart - n for n in prompt_lengths if n <= restart <= n + max_new_tokens - 2}
+    reach = max([n + step + width for step in steps for n in lengths if n + step != restart] + [width])
     if limit is not None and reach > limit:
         raise GenerationError(
             f"{switch} computed again from position 0 in a step {width} wide beside the other rows, which would "

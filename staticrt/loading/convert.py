@@ -32,6 +32,7 @@ GGUF_FAMILIES = {
     "qwen3": "qwen3",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "qwen3moe": "qwen3_moe",
 }
 Stage = Callable[[str], None]  # what is about to start
 

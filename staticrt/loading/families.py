@@ -18,14 +18,21 @@ What each family is, read off transformers' modeling files (5.x):
   width, weights multiplied in float32; olmo3 slides three layers in four;
 - granite: embedding, attention, residual multipliers and logits scaling;
 - ministral3: Mistral with yarn and queries scaled by position (`llama_4_scaling_beta`);
-  `mistral3` checkpoints hold it as their `text_config`.
+  `mistral3` checkpoints hold it as their `text_config`;
+- mixtral, qwen3_moe, olmoe: Mistral, Qwen3 and OLMo-2-like attention with a mixture of experts
+  for the MLP (models/moe.py), the checkpoint's per-expert tensors stacked;
+- gpt_oss: attention sinks and biases, windows on every other layer, yarn, and experts with
+  biases, a router that softmaxes its k best logits and a clamped SwiGLU.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..config import FAMILIES
 from ..errors import ConfigError
@@ -82,6 +89,81 @@ def _split_phi3(state: dict[str, Any], sizes: dict[str, int]) -> None:
         state.update({f"{owner}.{part}.weight": tensor for part, tensor in parts.items()})
 
 
+def _stack_experts(owner: str, gate: str, up: str, down: str) -> Callable[[dict[str, Any], dict[str, int]], None]:
+    """A checkpoint's per-expert tensors (`layers.L.OWNER.experts.E.GATE.weight`, ...) as the
+    decoder's stacked `layers.L.mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`, and
+    the router as `layers.L.mlp.gate`, in place. A layer missing an expert's tensor keeps its
+    tensors as they are, for the loader to name what is missing."""
+    pattern = re.compile(rf"layers\.(\d+)\.{owner}\.experts\.(\d+)\.({gate}|{up}|{down})\.weight")
+
+    def stack(state: dict[str, Any], sizes: dict[str, int]) -> None:
+        found: dict[int, dict[str, dict[int, str]]] = {}
+        for name in state:
+            if match := pattern.fullmatch(name):
+                layer, expert, part = match.groups()
+                found.setdefault(int(layer), {}).setdefault(part, {})[int(expert)] = name
+        for layer, parts in found.items():
+            count = len(parts.get(gate, {}))
+            if any(sorted(parts.get(p, {})) != list(range(count)) for p in (gate, up, down)):
+                continue
+            names = [[parts[p][e] for p in (gate, up, down)] for e in range(count)]
+            pairs = [torch.cat([state.pop(g), state.pop(u)]) for g, u, _ in names]
+            state[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(pairs)
+            state[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([state.pop(d) for _, _, d in names])
+            router = f"layers.{layer}.{owner}.gate.weight"
+            if router in state:
+                state[f"layers.{layer}.mlp.gate.weight"] = state.pop(router)
+
+    return stack
+
+
+def _experts(cfg: dict[str, Any], k: int) -> dict[str, Any]:
+    """E (under either name: transformers 5 writes num_local_experts where hub configs say
+    num_experts) and k (`k` where config.json says none)."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    return {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or k)}
+
+
+def _mixtral_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Mixtral: experts on every layer, softmax renormalised over the k, weights kept float32."""
+    return _experts(cfg, 2) | {"router_renormalizes": True, "router_weights_float32": True}
+
+
+def _qwen_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Qwen3-MoE and OLMoE: `norm_topk_prob`; Qwen3-MoE's experts on every `decoder_sparse_step`-th
+    layer but its `mlp_only_layers`, each `moe_intermediate_size` wide."""
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    return _experts(cfg, 8) | dict(
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
+        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+        router_renormalizes=bool(cfg.get("norm_topk_prob", False)),
+    )
+
+
+def _gpt_oss_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """gpt-oss: a softmax over the k best router logits, biases, the clamped SwiGLU."""
+    return _experts(cfg, 4) | dict(
+        router_topk_first=True,
+        moe_bias=True,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+    )
+
+
+def _lay_out_gpt_oss(state: dict[str, Any], sizes: dict[str, int]) -> None:
+    """gpt-oss's experts as the decoder holds them, in place: its `gate_up_proj [E, H, 2I]`, gate
+    and up interleaved column by column (x @ W), as `[E, 2I, H]` gate rows then up rows; its
+    `down_proj [E, I, H]` as `[E, H, I]`; its biases alike; its `router` as `gate`."""
+    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        weight, bias = state.pop(name).transpose(1, 2), state.pop(f"{name}_bias")
+        if name.endswith("gate_up_proj"):
+            weight = torch.cat([weight[:, 0::2], weight[:, 1::2]], dim=1)
+            bias = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
+        state[name], state[f"{name}_bias"] = weight.contiguous(), bias
+    for name in [n for n in state if ".mlp.router." in n]:
+        state[name.replace(".mlp.router.", ".mlp.gate.")] = state.pop(name)
+
+
 @dataclass(frozen=True)
 class Family:
     switches: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the family fixes
@@ -93,6 +175,7 @@ class Family:
     local_rope: bool = False  # its sliding layers take a rotary of their own (Gemma 3, OLMo 3)
     local_theta: float | None = None  # their base where config.json gives none (None: the full layers')
     split_checkpoint: Callable[[dict[str, Any], dict[str, int]], None] | None = None
+    experts: Callable[[dict[str, Any], int], dict[str, Any]] | None = None  # its MoE fields from config.json
 
 
 _GEMMA = {"norm_offset": 1.0, "scale_embeddings": True, "sandwich_norms": True}
@@ -120,6 +203,31 @@ TABLE: dict[str, Family] = {
     "olmo3": Family(_OLMO, every_nth_full(4), local_rope=True),
     "granite": Family(granite=True),
     "ministral3": Family(layer_types=every_layer, default_theta=1e6),
+    "mixtral": Family(
+        layer_types=every_layer,
+        default_theta=1e6,
+        split_checkpoint=_stack_experts("block_sparse_moe", "w1", "w3", "w2"),
+        experts=_mixtral_experts,
+    ),
+    "qwen3_moe": Family(
+        {"qk_norm": "head"},
+        qwen_windows,
+        default_theta=1e6,
+        split_checkpoint=_stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+        experts=_qwen_experts,
+    ),
+    "olmoe": Family(
+        {"qk_norm": "width"},
+        split_checkpoint=_stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+        experts=_qwen_experts,
+    ),
+    "gpt_oss": Family(
+        {"attention_sinks": True, "norm_weight_in_float32": True},
+        every_nth_full(2),
+        default_theta=150000.0,
+        split_checkpoint=_lay_out_gpt_oss,
+        experts=_gpt_oss_experts,
+    ),
 }
 assert tuple(TABLE) == FAMILIES, "a row for each family ModelConfig accepts"
 

@@ -153,6 +153,7 @@ def _config_from_hf(name: str, cfg: dict[str, Any]) -> ModelConfig:
                 nope_layers=() if no_rope is None else tuple(i for i, uses in enumerate(no_rope[:layers]) if not uses),
             ),
             **(_granite(cfg) if granite else {}),
+            **(family.experts(cfg, layers) if family.experts else {}),
             **family.switches,
         }
     )
@@ -241,4 +242,27 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         cfg.update({name: getattr(c, name) for name in _granite({})})
     if c.family == "smollm3":
         cfg["no_rope_layers"] = [int(i not in c.nope_layers) for i in range(c.num_layers)]
+    if c.num_experts:
+        cfg.update(_experts_to_hf(c))
     return cfg
+
+
+def _experts_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """A mixture of experts' fields in its family's names (the inverse of families.py's readers)."""
+    if c.family == "mixtral":
+        return {"num_local_experts": c.num_experts, "num_experts_per_tok": c.experts_per_token}
+    if c.family == "gpt_oss":
+        return {
+            "num_local_experts": c.num_experts,
+            "num_experts_per_tok": c.experts_per_token,
+            "swiglu_limit": c.swiglu_limit,
+            "swiglu_alpha": c.swiglu_alpha,
+        }
+    return {  # qwen3_moe, olmoe
+        "num_experts": c.num_experts,
+        "num_experts_per_tok": c.experts_per_token,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "norm_topk_prob": c.router_renormalizes,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(c.num_layers) if i not in c.moe_layers],
+    }

@@ -26,6 +26,8 @@ class Attention(nn.Module):
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.qkv_proj = FusedLinear(c.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias)
         self.o_proj = nn.Linear(q_size, c.hidden_size, bias=c.attention_bias)
+        # gpt-oss: a learned logit a head that joins each softmax's denominator and takes no value
+        self.sinks = nn.Parameter(torch.empty(c.num_heads)) if c.attention_sinks else None
         self.qk_norm = c.qk_norm
         if c.qk_norm is not None:  # "head": over each head's D; "width": over all of q's (k's) heads at once
             q_width, k_width = (c.head_dim, c.head_dim) if c.qk_norm == "head" else (q_size, kv_size)
@@ -52,7 +54,7 @@ class Attention(nn.Module):
         v = v.view(batch, seq_len, kv_heads, dim).transpose(1, 2)
         # SDPA where it gives the explicit path's tokens: float32 (in bfloat16 it keeps the scores
         # in float32 where transformers' eager attention rounds them, and tiny models' tokens part)
-        if seq_len > 1 and view.fused and self.softcap is None and q.dtype == torch.float32:
+        if seq_len > 1 and view.fused and self.softcap is None and self.sinks is None and q.dtype == torch.float32:
             out = view.attend(q, k, v, self.scale)  # [B, H, T, D]; a long prefill's scores never materialise
         else:
             # GQA without repeating K/V: the G query heads that share a KV head are stacked along
@@ -64,7 +66,7 @@ class Attention(nn.Module):
     def attend_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView) -> torch.Tensor:
         """`q [B, Hkv, G*T, D]` -> `[B, Hkv, G*T, D]` with the scores as a tensor of their own: a
         decode step's are small and its own kernels are fastest, they round as transformers' eager
-        attention does in bfloat16, and Gemma2's softcap and the sink cache rewrite them."""
+        attention does in bfloat16, and Gemma2's softcap, gpt-oss's sinks and the sink cache rewrite them."""
         batch, seq_len = view.meta.batch, view.meta.seq_len
         scores = view.scores(q, k, v) * self.scale  # [B, Hkv, G*T, L (+ T)]; writes first where exact
         if self.softcap is not None:
@@ -73,5 +75,12 @@ class Attention(nn.Module):
         scores = scores.view(batch, self.num_kv_heads, -1, seq_len, length).masked_fill(
             ~view.mask[:, :, None], float("-inf")
         )
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(*q.shape[:3], length)
+        if self.sinks is None:
+            probs = torch.softmax(scores.float(), dim=-1)
+        else:  # as gpt-oss computes it: its max taken out in the scores' dtype, the softmax in it too
+            sink = self.sinks.view(1, self.num_kv_heads, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+            joined = torch.cat([scores, sink], dim=-1)  # [B, Hkv, G, T, L + 1]
+            joined = joined - joined.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(joined, dim=-1, dtype=joined.dtype)[..., :-1]
+        probs = probs.to(q.dtype).view(*q.shape[:3], length)
         return view.weigh(probs, k, v)  # [B, Hkv, G*T, D]; a step that read first writes here

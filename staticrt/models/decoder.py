@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..rope import RopeStep, inverse_frequencies, rope_step
 from .attention import Attention
 from .feed_forward import MLP
+from .moe import SparseMoE
 from .norms import RMSNorm
 
 
@@ -33,7 +34,7 @@ class DecoderLayer(nn.Module):
         c = config
         norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset, c.norm_weight_in_float32)  # noqa: E731
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)
         # Llama norms the attention's and the MLP's inputs ("pre"; its pre-MLP norm is called
         # `post_attention_layernorm`). Gemma also norms their outputs ("sandwich": that name is its
         # norm on the attention output, beside pre/post-feedforward norms); OLMo 2 norms the

@@ -78,7 +78,14 @@ def kernels_for(
     else torchao's weight-only kernels: on CUDA, with `dtype` bfloat16 or float16 (staticrt's take
     float32), where an input size is not a multiple of the bytes the kernels read a step, or where
     the kernels cannot be built here (said in a warning; `build` False, as for `inspect`, which
-    only asks which kernels, does not try)."""
+    only asks which kernels, does not try). A mixture of experts is refused: its experts are stacked
+    weights (models/moe.py) that none of these kernels takes, and they are most of its bytes."""
+    if config.num_experts:
+        raise ConfigError(
+            f"quantize {spec.name!r}: this {config.family} model's {config.num_experts} experts are stacked weights "
+            "that staticrt's int8/int4 kernels do not take yet, and they hold most of its bytes; load it without "
+            "--quantize"
+        )
     if spec.activations is not None:
         return spec
     from . import a8_kernels

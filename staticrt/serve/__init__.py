@@ -41,6 +41,19 @@ def serve_backend(
     return create_app(scheduler, limits, api_key=api_key, stream_interval=stream_interval), scheduler
 
 
+def _warn_of_the_longrope_switch(restart: int | None) -> None:
+    """generation/prefill.py: a generation computes a row again from position 0 at LongRoPE's
+    switch, as transformers does; a server's rows do not, and the log says so."""
+    if restart is not None:
+        logging.getLogger("staticrt").warning(
+            "this model's LongRoPE switches to its long factors at position %d; a request that runs past it "
+            "keeps what its row wrote before with the short ones (as vLLM does), where transformers computes "
+            "the sequence again from position 0: its tokens past %d may differ from transformers'",
+            restart,
+            restart,
+        )
+
+
 def schedule_backend(
     backend: Any,
     tokenizer: Any = None,
@@ -84,14 +97,7 @@ def schedule_backend(
     with counting(len(graphs)):  # "graph 3 of 16"
         for b, widths, how in plan:
             b.prepare(widths, **how)
-    if backend.rope_restart is not None:  # generation/prefill.py: a generate restarts such a row; a server's does not
-        logging.getLogger("staticrt").warning(
-            "this model's LongRoPE switches to its long factors at position %d; a request that runs past it "
-            "keeps what its row wrote before with the short ones (as vLLM does), where transformers computes "
-            "the sequence again from position 0: its tokens past %d may differ from transformers'",
-            backend.rope_restart,
-            backend.rope_restart,
-        )
+    _warn_of_the_longrope_switch(backend.rope_restart)
     limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
     widest = None if prefiller is None else max(reuse_widths(prefiller))  # an artifact's programs take both
     scheduler = Scheduler(
