@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import ModelConfig
 from ..errors import BenchError
 from ..models.decoder import Decoder
 from ..models.gguf_blocks import PROJECTIONS
@@ -119,16 +120,8 @@ def _add_vocabulary(writer: Any, size: int) -> None:
     writer.add_pad_token_id(0)  # else transformers' reader keeps a config class's default (Phi-3's 32000)
 
 
-def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
-    """Write `model` to `path` with its projections in `qtype` ("Q8_0", "Q4_0", "Q4_1"; "F32" keeps
-    every tensor float, for an exact comparison)."""
-    import gguf
-    from gguf.quants import quantize
-
-    check_writable(model, qtype)
-    c = model.config
-    architecture, layer_names = ARCHITECTURES[c.family]
-    writer = gguf.GGUFWriter(str(path), architecture)
+def _add_hyperparameters(writer: Any, c: ModelConfig) -> None:
+    """The keys llama.cpp's loader reads for the architecture's shapes, rope and experts."""
     writer.add_name("staticrt bench model")
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
@@ -149,6 +142,19 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
         writer.add_expert_used_count(c.experts_per_token)
         writer.add_expert_feed_forward_length(c.moe_intermediate_size)
         writer.add_expert_weights_norm(c.router_renormalizes)  # Qwen3-MoE's norm_topk_prob
+
+
+def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
+    """Write `model` to `path` with its projections in `qtype` ("Q8_0", "Q4_0", "Q4_1"; "F32" keeps
+    every tensor float, for an exact comparison)."""
+    import gguf
+    from gguf.quants import quantize
+
+    check_writable(model, qtype)
+    c = model.config
+    architecture, layer_names = ARCHITECTURES[c.family]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    _add_hyperparameters(writer, c)
     _add_vocabulary(writer, c.vocab_size)
 
     def add(name: str, values: np.ndarray, kind: str) -> None:
