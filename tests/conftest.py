@@ -48,15 +48,29 @@ def _own_user_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("STATICRT_CACHE", str(tmp_path_factory.mktemp("user-cache")))
 
 
+CHECKPOINTS = FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES + MOE_FAMILIES
+
+
+class _Checkpoints(dict):
+    """family -> (folder, model), each saved on first use: a worker that runs one family's file
+    saves one checkpoint, not all 20 (~1 s each on 2 cores)."""
+
+    def __init__(self, root: Path):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str):
+        if family not in CHECKPOINTS:
+            raise KeyError(f"{family!r}: no such test checkpoint; tests/hf_models.py builds {', '.join(CHECKPOINTS)}")
+        self[family] = (self.root / family, save_hf_model(family, self.root / family))
+        return self[family]
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """family -> (checkpoint folder written by save_pretrained, the transformers model)."""
     pytest.importorskip("transformers", reason="transformers is the oracle; install the test extra")
-    root = tmp_path_factory.mktemp("hf")
-    return {
-        fam: (root / fam, save_hf_model(fam, root / fam))
-        for fam in FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES + MOE_FAMILIES
-    }
+    return _Checkpoints(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
