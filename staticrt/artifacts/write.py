@@ -29,6 +29,15 @@ from ..errors import ArtifactError, StaticrtError
 from .manifest import MANIFEST, SCHEMA_VERSION, seal, sha256
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """`path` holds `text` whole or keeps what it held: written beside it, then renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def check_place(target: Path, option: str, way_out: str, error: type[StaticrtError] = ArtifactError) -> None:
     """Refuse, before any work, a place no folder can be written to as `option`: the current folder
     or one above it (replacing it would pull the floor from under the process), a link (replaced,

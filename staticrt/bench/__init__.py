@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..artifacts.write import write_text_atomically
 from ..dtypes import resolve_dtype
 from ..errors import BenchError
 from ..exporters.onnx_quantize import ACCURACY_LEVEL
@@ -262,8 +263,4 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
 
 def write_report(report: dict[str, Any], path: Path) -> None:
     """Atomic: a reader never sees half a JSON file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomically(Path(path), json.dumps(report, indent=2) + "\n")
