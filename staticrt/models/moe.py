@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .feed_forward import activate, uses_tanh_gelu
 
 
 class Experts(nn.Module):
@@ -48,7 +49,7 @@ class SparseMoE(nn.Module):
         self.k, self.num_experts = c.experts_per_token, c.num_experts
         self.renormalizes, self.float_weights = c.router_renormalizes, c.router_weights_float32
         self.topk_first, self.limit, self.alpha = c.router_topk_first, c.swiglu_limit, c.swiglu_alpha
-        self.tanh_gelu = c.hidden_act in ("gelu_pytorch_tanh", "gelu_tanh")
+        self.tanh_gelu = uses_tanh_gelu(c)
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=c.moe_bias)  # the router
         self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size, c.moe_bias)
 
@@ -77,7 +78,7 @@ class SparseMoE(nn.Module):
         if self.limit is not None:  # gpt-oss's clamped SwiGLU
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
             return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-        return (F.gelu(gate, approximate="tanh") if self.tanh_gelu else F.silu(gate)) * up
+        return activate(gate, self.tanh_gelu) * up
 
     def _gathered(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token through its own k experts, whose weights are gathered: `[N, k, 2I, H]`."""
