@@ -9,7 +9,7 @@ from staticrt.cli import reference
 
 
 def test_the_reference_pages_are_what_the_code_gives_now():
-    assert reference.stale_pages() == [], "regenerate them: python -m staticrt.cli.reference"
+    assert reference.stale_pages() == {}, "regenerate them: python -m staticrt.cli.reference"
     assert reference.main(["--check"]) == 0
 
 
@@ -18,12 +18,12 @@ def test_a_renamed_flag_or_a_changed_docstring_makes_its_page_stale(tmp_path, mo
     cli = (tmp_path / "cli.md").read_text()
     assert "--max-new-tokens" in cli and "## staticrt serve" in cli
     (tmp_path / "cli.md").write_text(cli.replace("--max-new-tokens", "--max-tokens"))
-    assert reference.stale_pages(tmp_path) == ["cli.md"]
+    assert list(reference.stale_pages(tmp_path)) == ["cli.md"]
     python = (tmp_path / "python.md").read_text()
     assert "### `Generator.generate(self, prompts: Sequence[Sequence[int]]" in python
     (tmp_path / "python.md").write_text(python.replace("A model bound to a cache", "A model"))
-    assert reference.stale_pages(tmp_path) == ["cli.md", "python.md"]
+    assert list(reference.stale_pages(tmp_path)) == ["cli.md", "python.md"]
     monkeypatch.setattr(reference, "FOLDER", tmp_path)
     assert reference.main(["--check"]) == 1
     assert capsys.readouterr().err == ("stale: cli.md, python.md; regenerate with python -m staticrt.cli.reference\n")
-    assert reference.main([]) == 0 and reference.stale_pages(tmp_path) == []
+    assert reference.main([]) == 0 and reference.stale_pages(tmp_path) == {}

@@ -111,11 +111,12 @@ def _read(path: Path) -> str | None:
 PAGES: dict[str, Callable[[], str]] = {"cli.md": cli_page, "python.md": python_page}
 
 
-def stale_pages(folder: Path | None = None) -> list[str]:
+def stale_pages(folder: Path | None = None) -> dict[str, str]:
     """The pages under `folder` (default docs/reference) whose text differs from what the code gives
-    now, or that are missing."""
+    now, or that are missing: name -> the text the code gives."""
     folder = folder or FOLDER
-    return [name for name, page in PAGES.items() if _read(folder / name) != page()]
+    pages = {name: page() for name, page in PAGES.items()}
+    return {name: text for name, text in pages.items() if _read(folder / name) != text}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -127,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stale:
             print(f"stale: {', '.join(stale)}; regenerate with python -m staticrt.cli.reference", file=sys.stderr)
         return 1 if stale else 0
-    for name in stale:
-        write_text_atomically(FOLDER / name, PAGES[name]())
+    for name, text in stale.items():
+        write_text_atomically(FOLDER / name, text)
         print(f"wrote {FOLDER / name}")
     return 0
 
