@@ -29,6 +29,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWa
 from serving import client  # noqa: E402
 
 MODEL, ROWS, QUEUE = "tiny-llama", 2, 2
+# A long answer: the kill must land while the streams run. 400 tokens (1.2 s on an idle 2-core
+# AVX2 machine) all finished once in CI between the /health reading that chose the victim and the
+# kill, the other worker compiling beside them; 1000 take 3 s there.
+LONG = 1000
 # What SIGTERM gives open requests: a stream of 400 tokens through Ray took over 30 s (the default)
 # with two busy loops beside it on 2 cores, and was cut, as the drain promises.
 DRAIN_S = 300
@@ -50,8 +54,8 @@ def server():
     port = sock.getsockname()[1]
     sock.close()
     command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", MODEL, "--port", str(port), "--replicas", "2"]
-    command += ["--max-batch-size", str(ROWS), "--max-queue", str(QUEUE), "--threads", "1", "--max-cache-len", "512"]
-    command += ["--drain-timeout", str(DRAIN_S)]
+    command += ["--max-batch-size", str(ROWS), "--max-queue", str(QUEUE), "--threads", "1"]
+    command += ["--max-cache-len", str(LONG + 24), "--drain-timeout", str(DRAIN_S)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     logged: list[str] = []
     threading.Thread(target=lambda: [logged.append(line) for line in proc.stdout], daemon=True).start()
@@ -77,8 +81,8 @@ def server():
 @pytest.fixture(scope="module")
 def expected():
     """`staticrt run`'s greedy tokens: each prompt alone in an eager Generator."""
-    gen = staticrt.Generator(staticrt.load_model(MODEL), max_batch_size=1, max_cache_len=512)
-    return {tuple(p): gen.generate([p], max_new_tokens=400)[0] for p in PROMPTS}
+    gen = staticrt.Generator(staticrt.load_model(MODEL), max_batch_size=1, max_cache_len=LONG + 24)
+    return {tuple(p): gen.generate([p], max_new_tokens=LONG)[0] for p in PROMPTS}
 
 
 def replicas(url: str) -> dict[str, int]:
@@ -194,9 +198,15 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed_and_is_replaced
     before, retried = replicas(server), _metric(server, "staticrt_replica_retries_total")
     wanted = [PROMPTS[i] for i in range(2 * ROWS)]
     with ThreadPoolExecutor(2 * ROWS) as pool:
-        body = lambda p: dict(model=MODEL, prompt=p, max_tokens=400, temperature=0)  # noqa: E731
+        body = lambda p: dict(model=MODEL, prompt=p, max_tokens=LONG, temperature=0)  # noqa: E731
         futures = [pool.submit(httpx.post, f"{server}/v1/completions", json=body(p), timeout=300) for p in wanted]
-        victim = until(lambda: _holding(server, before), 120, "a replica holding a request")
+
+        def holder() -> str | None:
+            victim = _holding(server, before)
+            _none_ended(futures)  # after the HTTP reading, or the kill may land on a finished replica
+            return victim
+
+        victim = until(holder, 120, "a replica holding a request")
         os.kill(pid(victim), signal.SIGKILL)
         replies = [f.result() for f in futures]
     assert [r.status_code for r in replies] == [200] * len(wanted), [r.text for r in replies]
@@ -208,11 +218,13 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed_and_is_replaced
     before, lost = replicas(server), _metric(server, "staticrt_replica_lost_streams_total")
     started = [threading.Event() for _ in range(2 * ROWS)]
     with ThreadPoolExecutor(2 * ROWS) as pool:
-        futures = [pool.submit(stream, server, PROMPTS[i], 400, started[i]) for i in range(2 * ROWS)]
+        futures = [pool.submit(stream, server, PROMPTS[i], LONG, started[i]) for i in range(2 * ROWS)]
 
         def all_admitted_under_way() -> str | None:
             admitted = sum(_admitted_since(server, before).values())  # read before the streams' first tokens
-            return _holding(server, before) if admitted == sum(s.is_set() for s in started) else None
+            victim = _holding(server, before) if admitted == sum(s.is_set() for s in started) else None
+            _none_ended(futures)  # after the HTTP readings, or the kill may land on a finished replica
+            return victim
 
         victim = until(all_admitted_under_way, 120, "admitted streams under way")
         os.kill(pid(victim), signal.SIGKILL)
@@ -227,6 +239,12 @@ def test_a_killed_replica_loses_no_request_that_had_not_streamed_and_is_replaced
             assert result["error"].startswith("the replica serving this request died after")
             assert 0 < len(result["tokens"]) < len(full) and result["tokens"] == full[: len(result["tokens"])]
     _replaced(server, victim, set(before))
+
+
+def _none_ended(futures: list) -> None:
+    """The requests a kill is aimed at are all still open (a failed one raises its own error)."""
+    ended = [f.result() for f in futures if f.done()]
+    assert not ended, f"requests ended before the kill, which then tests nothing: make LONG longer; {ended}"
 
 
 def _admitted_since(url: str, before: dict[str, int]) -> dict[str, int]:
@@ -270,7 +288,7 @@ def test_sigterm_lets_open_streams_finish_then_stops_ray(server, expected):
     """The module's last test: SIGTERM mid-stream, and the stream still gets every token."""
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(stream, server, PROMPTS[1], 400, started)
+        answer = pool.submit(stream, server, PROMPTS[1], LONG, started)
         until(started.is_set, 60, "stream under way")
         server.proc.send_signal(signal.SIGTERM)
         assert answer.result() == {"tokens": expected[tuple(PROMPTS[1])], "error": None}
