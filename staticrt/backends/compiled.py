@@ -54,19 +54,29 @@ def _own_code_copy(fn: types.FunctionType, tag: str, **keywords: Any) -> types.F
     return copy
 
 
+# Inductor's FX cache refuses a graph holding a higher-order op unless the op is named here, and
+# every CPU step graph holds `sampling.pick`'s torch.cond: each process compiled every graph again.
+# The branches are subgraph modules whose code goes into the key (inductor's cache pickler reduces
+# a GraphModule with its children), so a hit is the same graph. A second process's first compiled
+# generate of tiny-llama: 34 s before, 9.8 s with it (2-core AVX2 EPYC, docs/measurements.md).
+CACHEABLE_COND = {"unsafe_marked_cacheable_functions": {"torch.ops.higher_order.cond": torch.__version__}}
+
+
 class CompiledBackend(EagerBackend):
     name = "compiled"
     # How torch.compile is asked. The C++ wrapper calls the step's GEMMs and fused kernels without
     # a Python round trip each, the CPU's fastest path; built apart from the kernels, the wrapper
     # (one long function over every layer) compiles at -O1, which halves a first compile of a
     # 30-layer model at no measurable decode cost (docs/measurements.md).
-    compile_options: dict[str, Any] = {"options": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}}
+    compile_options: dict[str, Any] = {
+        "options": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, **CACHEABLE_COND}
+    }
     # A CPU prefill graph of a float model compiles its layer once (`Decoder.forward`'s
     # `layers_once`), which torch 2.13 codegens only with the Python wrapper: SmolLM2's prefill
     # graph compiled in 27 s instead of 51 s, at the same prefill time (docs/measurements.md).
     # Decode keeps the C++ wrapper and frozen weights, which the region cannot have and whose
     # step is a third faster.
-    layers_once_options: dict[str, Any] = {"options": {}}
+    layers_once_options: dict[str, Any] = {"options": {**CACHEABLE_COND}}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
