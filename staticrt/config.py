@@ -32,8 +32,11 @@ FAMILIES = (
     "qwen3_moe",
     "olmoe",
     "gpt_oss",
+    "lfm2",
 )
-LAYER_KINDS = ("full_attention", "sliding_attention")
+# What a layer mixes its tokens with: attention over every position or a window, or a short causal
+# convolution over the last `conv_kernel` positions (LFM2; models/short_conv.py)
+LAYER_KINDS = ("full_attention", "sliding_attention", "conv")
 # The MLP activations models/feed_forward.py implements, by transformers' names: silu (and its alias swish), and
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
@@ -148,6 +151,9 @@ class ModelConfig:
     swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU: (clamp(up) + 1) * g * sigmoid(alpha * g), g clamped
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False  # a learned logit a head that joins every softmax's denominator (gpt-oss)
+    # Gated short convolutions on the layers `layer_types` calls "conv" (LFM2): each reads its K last inputs.
+    conv_kernel: int = 0  # K (LFM2's conv_L_cache)
+    conv_bias: bool = False  # biases on the conv and its in/out projections
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -177,6 +183,10 @@ class ModelConfig:
             raise ConfigError(f"layer_types holds {bad}; staticrt knows {list(LAYER_KINDS)}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
+        if "conv" in self.layer_types and not (isinstance(self.conv_kernel, int) and self.conv_kernel >= 1):
+            raise ConfigError(
+                f"layer_types has conv layers but conv_kernel is {self.conv_kernel!r}; restore config.json"
+            )
         self._check_additions()
         self._check_experts()
 
@@ -228,7 +238,7 @@ class ModelConfig:
 
     def layer_rope(self, layer: int) -> RopeConfig | None:
         """The rotary embedding layer `layer` applies; None for a layer without one."""
-        if layer in self.nope_layers:
+        if layer in self.nope_layers or self.layer_types[layer] == "conv":
             return None
         if self.rope_local is not None and self.layer_types[layer] == "sliding_attention":
             return self.rope_local

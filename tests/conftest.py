@@ -17,7 +17,7 @@ settings.load_profile(os.environ.get("STATICRT_HYPOTHESIS", "ci"))
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from hf_models import MOE_FAMILIES, NEW_FAMILIES, save_hf_model  # noqa: E402
+from hf_models import MOE_FAMILIES, NEW_FAMILIES, RECURRENT_FAMILIES, save_hf_model  # noqa: E402
 
 from staticrt.cli.main import main  # noqa: E402
 
@@ -48,7 +48,7 @@ def _own_user_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("STATICRT_CACHE", str(tmp_path_factory.mktemp("user-cache")))
 
 
-CHECKPOINTS = FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES + MOE_FAMILIES
+CHECKPOINTS = FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES + MOE_FAMILIES + RECURRENT_FAMILIES
 
 
 class _Checkpoints(dict):

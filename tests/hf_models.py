@@ -58,6 +58,8 @@ def family_config(family: str, **overrides):
         cfg = new_family_config(tf, family)
     elif family in MOE_FAMILIES:
         cfg = moe_config(tf, family)
+    elif family in RECURRENT_FAMILIES:
+        cfg = recurrent_config(tf, family)
     else:
         raise ValueError(family)
     for key, value in overrides.items():
@@ -116,6 +118,22 @@ def new_family_config(tf, family: str):
             "llama_4_scaling_beta": 0.1,
         }
         return tf.Ministral3Config(**common, head_dim=20, rope_parameters=rope)
+    raise ValueError(family)
+
+
+# Recurrent state beside the KV cache (issue 65): LFM2's conv layers around an attention layer,
+# its MLP width derived from block_* fields (128 * 2/3 = 85, * 1.5 = 127, rounded up to 32: 128).
+RECURRENT_FAMILIES = ("lfm2",)
+
+
+def recurrent_config(tf, family: str):
+    if family == "lfm2":
+        return tf.Lfm2Config(
+            **{**COMMON, "num_hidden_layers": 3, "max_position_embeddings": 512},
+            full_attn_idxs=[1],
+            block_multiple_of=32,
+            block_ffn_dim_multiplier=1.5,
+        )
     raise ValueError(family)
 
 

@@ -34,7 +34,11 @@ class ArtifactBackend:
         layers = field(self.manifest, "cache.layers")
         layer_types = config.get("layer_types") or ["full_attention"] * len(layers)
         self.rotating_layouts = rotating_layouts(
-            layers, field(self.manifest, "cache.layer_lengths"), layer_types, config.get("sliding_window")
+            layers,
+            field(self.manifest, "cache.layer_lengths"),
+            layer_types,
+            config.get("sliding_window"),
+            config.get("conv_kernel", 0),
         )
 
     def check_loaded(self, what: str, recorded: Any, loaded: Any, source: Path) -> None:

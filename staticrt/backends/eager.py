@@ -171,7 +171,9 @@ class EagerBackend(RowStash):
     def rotating_layouts(self) -> Layouts:
         cache, config = self.cache, self.model.config
         layouts = [cache.layer_layout(i) for i in range(len(cache.rotating))]
-        return rotating_layouts(layouts, cache.layer_lengths, config.layer_types, config.sliding_window)
+        return rotating_layouts(
+            layouts, cache.layer_lengths, config.layer_types, config.sliding_window, config.conv_kernel
+        )
 
     def step_function(self, seq_len: int, choice: str, fresh: bool) -> StepFn:
         """The callable that runs a step of `seq_len` tokens a row choosing as `choice` says

@@ -10,6 +10,7 @@ get which (static.py, sliding.py, hybrid.py):
 - linear: `max_cache_len` slots, slot j holds position j (TensorScatter mode `linear`);
 - rotating: `window` slots, slot = position mod window (TensorScatter mode `circular`), as in
   mistral-inference's RotatingBufferCache. Nothing rolls or shifts; a decode step writes one slot.
+  A conv layer (LFM2) keeps its last inputs so, in one buffer (conv_state.py).
 
 A step starts with `begin_step` (lengths, masks: `StepMetadata`) and each layer then works through
 its `view` (view.py), which also says why a step writes before or after it reads.
@@ -27,7 +28,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import CacheError, check_positions
 from . import masks
-from .ops import cache_write
+from .conv_state import CONV_KINDS, ConvView, conv_slots
+from .ops import cache_write, write_rotating
 from .spec import CacheSpec, cache_window
 from .view import LayerView, StepMetadata
 
@@ -47,6 +49,12 @@ class KVCache(nn.Module, ABC):
     ) -> None:
         super().__init__()
         rotating = self.rotating_layers(config)
+        conv = [kind == "conv" for kind in config.layer_types]
+        if any(conv) and self.kind not in CONV_KINDS:
+            raise CacheError(
+                f"cache {self.kind!r} cannot hold this {config.family} model's conv layers (their state is "
+                f"kept in float on the device); use cache={' or '.join(map(repr, CONV_KINDS))}"
+            )
         if spec.window is not None and not any(rotating):
             raise CacheError(
                 f"window={spec.window} has no effect on a {self.kind} cache, whose layers all hold "
@@ -54,14 +62,22 @@ class KVCache(nn.Module, ABC):
             )
         self.config = config
         self.spec = spec
-        self.rotating = tuple(rotating)
+        self.conv_layers = frozenset(i for i, c in enumerate(conv) if c)  # conv_state.py: their inputs rotate
+        self.rotating = tuple(r or c for r, c in zip(rotating, conv, strict=True))
         self.window = self.rotating_slots(config, spec) if any(rotating) else None
-        self.layer_lengths = tuple(self.window if r else spec.max_cache_len for r in self.rotating)
+        slots = conv_slots(config.conv_kernel)
+        self.layer_lengths = tuple(
+            slots if c else self.window if r else spec.max_cache_len for r, c in zip(rotating, conv, strict=True)
+        )
         self.device = torch.device(device)
         self.dtype = dtype
         self.host_names: set[str] = set()  # buffers kept in host memory, whatever the cache's device
         for i, length in enumerate(self.layer_lengths):
-            self.allocate_layer(i, self.layer_shape(length))
+            if i in self.conv_layers:  # [B, 1, S, C]: a rotating layer of one head as wide as the model
+                shape = (spec.max_batch_size, 1, length, config.hidden_size)
+                self.register_static(f"conv_{i}", torch.zeros(shape, dtype=dtype, device=self.device))
+            else:
+                self.allocate_layer(i, self.layer_shape(length))
         self.register_static("seq_lens", torch.zeros(spec.max_batch_size, dtype=torch.int64, device=device))
 
     @classmethod
@@ -116,7 +132,10 @@ class KVCache(nn.Module, ABC):
         return None if all(self.rotating) else self.spec.max_cache_len
 
     def layer_layout(self, layer_idx: int) -> str:
-        """How layer `layer_idx` keeps its K/V: "static" (linear), "sliding" (rotating), "offloaded"."""
+        """How layer `layer_idx` keeps its K/V: "static" (linear), "sliding" (rotating), "offloaded";
+        a conv layer its inputs: "conv" (conv_state.py)."""
+        if layer_idx in self.conv_layers:
+            return "conv"
         return "sliding" if self.rotating[layer_idx] else "static"
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +143,10 @@ class KVCache(nn.Module, ABC):
         return getattr(self, f"key_{layer_idx}"), getattr(self, f"value_{layer_idx}")
 
     def step_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
-        """The buffers a step writes layer `layer_idx`'s `encode`d parts into, on the cache's device."""
+        """The buffers a step writes layer `layer_idx`'s `encode`d parts into, on the cache's device
+        (a conv layer's one buffer of inputs)."""
+        if layer_idx in self.conv_layers:
+            return (getattr(self, f"conv_{layer_idx}"),)
         return self.layer_buffers(layer_idx)
 
     def storage_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
@@ -155,13 +177,15 @@ class KVCache(nn.Module, ABC):
         self, write_index: torch.Tensor, num_new: torch.Tensor, positions: torch.Tensor, fresh: bool = False
     ) -> StepMetadata:
         """The step's `StepMetadata`: one mask for each kind of layer, at `positions [B, T]`."""
-        mask_keys = {self.mask_key(i) for i in range(len(self.rotating))}
+        mask_keys = {self.mask_key(i) for i in range(len(self.rotating)) if i not in self.conv_layers}
         masks = {key: self.mask(*key, positions) for key in mask_keys}
         return StepMetadata(write_index, num_new, positions, masks, fresh)
 
-    def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView:
+    def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView | ConvView:
         """Layer `layer_idx`'s view of this step, once its input `[B*T, C]` exists (an offloaded
         layer's K/V is awaited here, after the previous layer's compute)."""
+        if layer_idx in self.conv_layers:
+            return ConvView(self, layer_idx, meta)
         return LayerView(self, layer_idx, meta)
 
     def mask_key(self, layer_idx: int) -> tuple[str, bool]:
@@ -212,9 +236,9 @@ class KVCache(nn.Module, ABC):
         self, layer_idx: int, buf: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor
     ) -> None:
         """Write a step's entries `new [B, H, T, *]` into `buf [B, H, L, *]` as layer `layer_idx`'s
-        layout says: linear at `write_index`, or rotating (`_write_rotating`)."""
+        layout says: linear at `write_index`, or rotating (`ops.write_rotating`)."""
         if self.rotating[layer_idx]:
-            _write_rotating(buf, new, write_index, num_new)
+            write_rotating(buf, new, write_index, num_new)
         else:
             # Padding lands beyond the row's length, where the mask hides it until a real
             # token overwrites it; `check_step` keeps the write inside the buffer.
@@ -266,33 +290,6 @@ class KVCache(nn.Module, ABC):
     def host_bytes(self) -> int:
         """Bytes of K/V kept in host memory (an offloaded cache's storage; 0 for the others)."""
         return sum(_nbytes(b) for name, b in self.named_buffers() if name in self.host_names)
-
-
-def _write_rotating(buf: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
-    """Write each row's last `m = min(T, window)` real entries of `new [B, H, T, D]`, circularly.
-
-    Only the newest `window` positions survive a chunk, and m distinct slots keep the scatter
-    free of duplicate indices. Rows with fewer than m real entries (short prompts in a long
-    bucket) write their slots' old contents back, so right padding never overwrites positions
-    the row still needs.
-    """
-    batch, heads, seq_len, dim = new.shape
-    slots = buf.shape[2]
-    if seq_len == 1:
-        # Decode: every row's one entry is real (a step gives each row at least one token), so
-        # nothing is written back, and the graph never reads the buffer it mutates (a read would
-        # make inductor copy the whole buffer each step, see view.py).
-        cache_write(buf, new, torch.remainder(write_index, slots), circular=True)
-        return
-    m = min(seq_len, slots)
-    offsets = torch.arange(m, device=buf.device)
-    take = num_new[:, None] - m + offsets  # [B, m] index into the chunk; < 0: keep the old entry
-    start = torch.remainder(write_index + num_new - m, slots)  # [B] slot of the first written entry
-    fresh = new.gather(2, take.clamp(min=0)[:, None, :, None].expand(batch, heads, m, dim))
-    targets = torch.remainder(start[:, None] + offsets, slots)  # [B, m]
-    rows = torch.arange(batch, device=buf.device)[:, None]
-    old = buf[rows, :, targets].transpose(1, 2)  # [B, H, m, D]
-    cache_write(buf, torch.where((take >= 0)[:, None, :, None], fresh, old), start, circular=True)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

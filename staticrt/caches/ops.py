@@ -24,6 +24,33 @@ def cache_write(buffer: torch.Tensor, new: torch.Tensor, write_index: torch.Tens
     buffer[rows, :, slots] = new.transpose(1, 2)
 
 
+def write_rotating(buf: torch.Tensor, new: torch.Tensor, write_index: torch.Tensor, num_new: torch.Tensor) -> None:
+    """Write each row's last `m = min(T, window)` real entries of `new [B, H, T, D]`, circularly.
+
+    Only the newest `window` positions survive a chunk, and m distinct slots keep the scatter
+    free of duplicate indices. Rows with fewer than m real entries (short prompts in a long
+    bucket) write their slots' old contents back, so right padding never overwrites positions
+    the row still needs.
+    """
+    batch, heads, seq_len, dim = new.shape
+    slots = buf.shape[2]
+    if seq_len == 1:
+        # Decode: every row's one entry is real (a step gives each row at least one token), so
+        # nothing is written back, and the graph never reads the buffer it mutates (a read would
+        # make inductor copy the whole buffer each step, see view.py).
+        cache_write(buf, new, torch.remainder(write_index, slots), circular=True)
+        return
+    m = min(seq_len, slots)
+    offsets = torch.arange(m, device=buf.device)
+    take = num_new[:, None] - m + offsets  # [B, m] index into the chunk; < 0: keep the old entry
+    start = torch.remainder(write_index + num_new - m, slots)  # [B] slot of the first written entry
+    fresh = new.gather(2, take.clamp(min=0)[:, None, :, None].expand(batch, heads, m, dim))
+    targets = torch.remainder(start[:, None] + offsets, slots)  # [B, m]
+    rows = torch.arange(batch, device=buf.device)[:, None]
+    old = buf[rows, :, targets].transpose(1, 2)  # [B, H, m, D]
+    cache_write(buf, torch.where((take >= 0)[:, None, :, None], fresh, old), start, circular=True)
+
+
 @torch.library.custom_op("staticrt::tensor_scatter", mutates_args=())
 def tensor_scatter(
     past: torch.Tensor, update: torch.Tensor, write_indices: torch.Tensor, circular: bool, after: torch.Tensor | None

@@ -71,7 +71,13 @@ GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a ro
 def check_onnx_cache(cache: KVCache) -> None:
     """Refuse a rotating layout onnxruntime-genai would allocate differently: it gives a sliding
     layer `window_size + cache_slack` slots and reads a cache_slack of 0 as its default (16), so
-    the rotating layers need at least one slot more than the model's window."""
+    the rotating layers need at least one slot more than the model's window. A conv layer's state
+    (LFM2) is not an input of the graph yet: refused by name, before anything is traced."""
+    if cache.conv_layers:
+        raise ArtifactError(
+            f"the onnx format does not hold a {cache.config.family} model's conv layers yet (their state is not an "
+            "input of the graph); export the torch formats (--format pt2,aoti), which run it"
+        )
     if cache.window is not None and cache.window <= cache.config.sliding_window:
         raise ArtifactError(
             f"window is {cache.window}, the model's sliding_window; onnxruntime-genai allocates sliding layers "

@@ -28,14 +28,21 @@ Layouts = tuple[tuple[int, int | None], ...]  # each rotating layer: (slots, win
 
 
 def rotating_layouts(
-    layers: Sequence[str], layer_lengths: Sequence[int], layer_types: Sequence[str], sliding_window: int | None
+    layers: Sequence[str],
+    layer_lengths: Sequence[int],
+    layer_types: Sequence[str],
+    sliding_window: int | None,
+    conv_kernel: int = 0,
 ) -> Layouts:
     """The distinct rotating layers of a cache, from the layouts it reports (`KVCache.layer_layout`:
-    "static", "offloaded", "sliding", "sink", as an artifact's manifest records them), its layers'
-    slots and the model's attention kinds."""
+    "static", "offloaded", "sliding", "sink", "conv", as an artifact's manifest records them), its
+    layers' slots and the model's attention kinds. A conv layer reads its last `conv_kernel`
+    inputs: a window of that many (caches/conv_state.py)."""
     found = set()
     for layout, slots, attention in zip(layers, layer_lengths, layer_types, strict=True):
-        if layout in ("sliding", "sink"):
+        if layout == "conv":
+            found.add((int(slots), conv_kernel))
+        elif layout in ("sliding", "sink"):
             found.add(
                 (int(slots), sliding_window if layout == "sliding" and attention == "sliding_attention" else None)
             )

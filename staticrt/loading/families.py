@@ -22,20 +22,20 @@ What each family is, read off transformers' modeling files (5.x):
 - mixtral, qwen3_moe, olmoe: Mistral, Qwen3 and OLMo-2-like attention with a mixture of experts
   for the MLP (models/moe.py), the checkpoint's per-expert tensors stacked;
 - gpt_oss: attention sinks and biases, windows on every other layer, yarn, and experts with
-  biases, a router that softmaxes its k best logits and a clamped SwiGLU.
+  biases, a router that softmaxes its k best logits and a clamped SwiGLU;
+- lfm2: gated short convolutions (models/short_conv.py) on the layers that do not attend, q/k
+  head norms on those that do, its MLP's width derived from `block_*` fields.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..config import FAMILIES
 from ..errors import ConfigError
+from .checkpoint_layouts import lay_out_gpt_oss, rename_lfm2, split_phi3, stack_experts
 
 LayerTypes = Callable[[dict[str, Any], int], tuple[str, ...]]
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -76,45 +76,31 @@ def qwen_windows(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
     return tuple(SLIDING if i >= first else FULL for i in range(layers))
 
 
-def _split_phi3(state: dict[str, Any], sizes: dict[str, int]) -> None:
-    """Phi-3's fused `qkv_proj` and `gate_up_proj` as the parts the decoder's checkpoint names
-    (q, k, v; gate, up), in place: the decoder fuses them again on load (`FusedLinear`)."""
-    q, kv, ff = sizes["q"], sizes["kv"], sizes["intermediate"]
-    for name in [n for n in state if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
-        fused, owner = state.pop(name), name.rsplit(".", 2)[0]
-        if name.endswith("qkv_proj.weight"):
-            parts = dict(zip(("q_proj", "k_proj", "v_proj"), fused.split([q, kv, kv])))
-        else:
-            parts = dict(zip(("gate_proj", "up_proj"), fused.split([ff, ff])))
-        state.update({f"{owner}.{part}.weight": tensor for part, tensor in parts.items()})
+def conv_or_full(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """LFM2: `layer_types` ("conv" or "full_attention"), else attention on `full_attn_idxs`."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    full = set(cfg.get("full_attn_idxs") or range(layers))
+    return tuple(FULL if i in full else "conv" for i in range(layers))
 
 
-def _stack_experts(owner: str, gate: str, up: str, down: str) -> Callable[[dict[str, Any], dict[str, int]], None]:
-    """A checkpoint's per-expert tensors (`layers.L.OWNER.experts.E.GATE.weight`, ...) as the
-    decoder's stacked `layers.L.mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`, and
-    the router as `layers.L.mlp.gate`, in place. A layer missing an expert's tensor keeps its
-    tensors as they are, for the loader to name what is missing."""
-    pattern = re.compile(rf"layers\.(\d+)\.{owner}\.experts\.(\d+)\.({gate}|{up}|{down})\.weight")
-
-    def stack(state: dict[str, Any], sizes: dict[str, int]) -> None:
-        found: dict[int, dict[str, dict[int, str]]] = {}
-        for name in state:
-            if match := pattern.fullmatch(name):
-                layer, expert, part = match.groups()
-                found.setdefault(int(layer), {}).setdefault(part, {})[int(expert)] = name
-        for layer, parts in found.items():
-            count = len(parts.get(gate, {}))
-            if any(sorted(parts.get(p, {})) != list(range(count)) for p in (gate, up, down)):
-                continue
-            names = [[parts[p][e] for p in (gate, up, down)] for e in range(count)]
-            pairs = [torch.cat([state.pop(g), state.pop(u)]) for g, u, _ in names]
-            state[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(pairs)
-            state[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([state.pop(d) for _, _, d in names])
-            router = f"layers.{layer}.{owner}.gate.weight"
-            if router in state:
-                state[f"layers.{layer}.mlp.gate.weight"] = state.pop(router)
-
-    return stack
+def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's own spellings: its conv kernel, norm epsilon, tied head, and its MLP width, which
+    transformers derives from `intermediate_size` (`block_ff_dim`) as Lfm2MLP does."""
+    width = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        if cfg.get("block_ffn_dim_multiplier") is not None:
+            multiple = int(cfg.get("block_multiple_of", 256))
+            width = int(cfg["block_ffn_dim_multiplier"] * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    return {
+        "conv_kernel": int(cfg.get("conv_L_cache", 3)),
+        "conv_bias": bool(cfg.get("conv_bias", False)),
+        "intermediate_size": width,
+        "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
+    }
 
 
 def _experts(cfg: dict[str, Any], k: int) -> dict[str, Any]:
@@ -150,20 +136,6 @@ def _gpt_oss_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     )
 
 
-def _lay_out_gpt_oss(state: dict[str, Any], sizes: dict[str, int]) -> None:
-    """gpt-oss's experts as the decoder holds them, in place: its `gate_up_proj [E, H, 2I]`, gate
-    and up interleaved column by column (x @ W), as `[E, 2I, H]` gate rows then up rows; its
-    `down_proj [E, I, H]` as `[E, H, I]`; its biases alike; its `router` as `gate`."""
-    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
-        weight, bias = state.pop(name).transpose(1, 2), state.pop(f"{name}_bias")
-        if name.endswith("gate_up_proj"):
-            weight = torch.cat([weight[:, 0::2], weight[:, 1::2]], dim=1)
-            bias = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
-        state[name], state[f"{name}_bias"] = weight.contiguous(), bias
-    for name in [n for n in state if ".mlp.router." in n]:
-        state[name.replace(".mlp.router.", ".mlp.gate.")] = state.pop(name)
-
-
 @dataclass(frozen=True)
 class Family:
     switches: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the family fixes
@@ -176,6 +148,7 @@ class Family:
     local_theta: float | None = None  # their base where config.json gives none (None: the full layers')
     split_checkpoint: Callable[[dict[str, Any], dict[str, int]], None] | None = None
     experts: Callable[[dict[str, Any], int], dict[str, Any]] | None = None  # its MoE fields from config.json
+    own_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # fields config.json spells its own way
 
 
 _GEMMA = {"norm_offset": 1.0, "scale_embeddings": True, "sandwich_norms": True}
@@ -196,7 +169,7 @@ TABLE: dict[str, Family] = {
         local_theta=1e4,
     ),
     "phi3": Family(
-        layer_types=every_layer, rope_aliases={"su": "longrope", "yarn": "longrope"}, split_checkpoint=_split_phi3
+        layer_types=every_layer, rope_aliases={"su": "longrope", "yarn": "longrope"}, split_checkpoint=split_phi3
     ),
     "smollm3": Family(layer_types=qwen_windows, default_theta=2e6),
     "olmo2": Family(_OLMO),
@@ -206,27 +179,30 @@ TABLE: dict[str, Family] = {
     "mixtral": Family(
         layer_types=every_layer,
         default_theta=1e6,
-        split_checkpoint=_stack_experts("block_sparse_moe", "w1", "w3", "w2"),
+        split_checkpoint=stack_experts("block_sparse_moe", "w1", "w3", "w2"),
         experts=_mixtral_experts,
     ),
     "qwen3_moe": Family(
         {"qk_norm": "head"},
         qwen_windows,
         default_theta=1e6,
-        split_checkpoint=_stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+        split_checkpoint=stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
         experts=_qwen_experts,
     ),
     "olmoe": Family(
         {"qk_norm": "width"},
-        split_checkpoint=_stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
+        split_checkpoint=stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
         experts=_qwen_experts,
     ),
     "gpt_oss": Family(
         {"attention_sinks": True, "norm_weight_in_float32": True},
         every_nth_full(2),
         default_theta=150000.0,
-        split_checkpoint=_lay_out_gpt_oss,
+        split_checkpoint=lay_out_gpt_oss,
         experts=_gpt_oss_experts,
+    ),
+    "lfm2": Family(
+        {"qk_norm": "head"}, conv_or_full, default_theta=1e6, split_checkpoint=rename_lfm2, own_fields=_lfm2_fields
     ),
 }
 assert tuple(TABLE) == FAMILIES, "a row for each family ModelConfig accepts"

@@ -154,6 +154,7 @@ def _config_from_hf(name: str, cfg: dict[str, Any]) -> ModelConfig:
             ),
             **(_granite(cfg) if granite else {}),
             **(family.experts(cfg, layers) if family.experts else {}),
+            **(family.own_fields(cfg) if family.own_fields else {}),
             **family.switches,
         }
     )

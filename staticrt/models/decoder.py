@@ -26,6 +26,7 @@ from .attention import Attention
 from .feed_forward import MLP
 from .moe import SparseMoE
 from .norms import RMSNorm
+from .short_conv import ShortConv
 
 
 class DecoderLayer(nn.Module):
@@ -33,7 +34,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset, c.norm_weight_in_float32)  # noqa: E731
-        self.self_attn = Attention(config, layer_idx)
+        # the token mixer: attention, or a gated short convolution on LFM2's "conv" layers
+        if c.layer_types[layer_idx] == "conv":
+            self.conv = ShortConv(config)
+        else:
+            self.self_attn = Attention(config, layer_idx)
         self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)
         # Llama norms the attention's and the MLP's inputs ("pre"; its pre-MLP norm is called
         # `post_attention_layernorm`). Gemma also norms their outputs ("sandwich": that name is its
@@ -51,11 +56,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeStep | None, view: LayerView) -> torch.Tensor:
         """`x [B*T, C]` -> `[B*T, C]`."""
+        mixer = self.conv if hasattr(self, "conv") else self.self_attn
         if self.placement == "pre":
-            x = self._add(x, self.self_attn(self.input_layernorm(x), rope, view))
+            x = self._add(x, mixer(self.input_layernorm(x), rope, view))
             return self._add(x, self.mlp(self.post_attention_layernorm(x)))
         post = self.placement == "post"
-        attn = self.self_attn(x if post else self.input_layernorm(x), rope, view)
+        attn = mixer(x if post else self.input_layernorm(x), rope, view)
         x = self._add(x, self.post_attention_layernorm(attn))
         return self._add(x, self.post_feedforward_layernorm(self.mlp(x if post else self.pre_feedforward_layernorm(x))))
 

@@ -1,0 +1,91 @@
+"""How a family's checkpoint lays its tensors out where that differs from the decoder's names and
+shapes (Llama's): each function rewrites a checkpoint's state dict in place, before loading, and is
+a family's `split_checkpoint` in the family table (families.py)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def split_phi3(state: dict[str, Any], sizes: dict[str, int]) -> None:
+    """Phi-3's fused `qkv_proj` and `gate_up_proj` as the parts the decoder's checkpoint names
+    (q, k, v; gate, up), in place: the decoder fuses them again on load (`FusedLinear`)."""
+    q, kv, ff = sizes["q"], sizes["kv"], sizes["intermediate"]
+    for name in [n for n in state if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
+        fused, owner = state.pop(name), name.rsplit(".", 2)[0]
+        if name.endswith("qkv_proj.weight"):
+            parts = dict(zip(("q_proj", "k_proj", "v_proj"), fused.split([q, kv, kv])))
+        else:
+            parts = dict(zip(("gate_proj", "up_proj"), fused.split([ff, ff])))
+        state.update({f"{owner}.{part}.weight": tensor for part, tensor in parts.items()})
+
+
+def stack_experts(owner: str, gate: str, up: str, down: str) -> Callable[[dict[str, Any], dict[str, int]], None]:
+    """A checkpoint's per-expert tensors (`layers.L.OWNER.experts.E.GATE.weight`, ...) as the
+    decoder's stacked `layers.L.mlp.experts.gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]`, and
+    the router as `layers.L.mlp.gate`, in place. A layer missing an expert's tensor keeps its
+    tensors as they are, for the loader to name what is missing."""
+    pattern = re.compile(rf"layers\.(\d+)\.{owner}\.experts\.(\d+)\.({gate}|{up}|{down})\.weight")
+
+    def stack(state: dict[str, Any], sizes: dict[str, int]) -> None:
+        found: dict[int, dict[str, dict[int, str]]] = {}
+        for name in state:
+            if match := pattern.fullmatch(name):
+                layer, expert, part = match.groups()
+                found.setdefault(int(layer), {}).setdefault(part, {})[int(expert)] = name
+        for layer, parts in found.items():
+            count = len(parts.get(gate, {}))
+            if any(sorted(parts.get(p, {})) != list(range(count)) for p in (gate, up, down)):
+                continue
+            names = [[parts[p][e] for p in (gate, up, down)] for e in range(count)]
+            pairs = [torch.cat([state.pop(g), state.pop(u)]) for g, u, _ in names]
+            state[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(pairs)
+            state[f"layers.{layer}.mlp.experts.down_proj"] = torch.stack([state.pop(d) for _, _, d in names])
+            router = f"layers.{layer}.{owner}.gate.weight"
+            if router in state:
+                state[f"layers.{layer}.mlp.gate.weight"] = state.pop(router)
+
+    return stack
+
+
+def lay_out_gpt_oss(state: dict[str, Any], sizes: dict[str, int]) -> None:
+    """gpt-oss's experts as the decoder holds them, in place: its `gate_up_proj [E, H, 2I]`, gate
+    and up interleaved column by column (x @ W), as `[E, 2I, H]` gate rows then up rows; its
+    `down_proj [E, I, H]` as `[E, H, I]`; its biases alike; its `router` as `gate`."""
+    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        weight, bias = state.pop(name).transpose(1, 2), state.pop(f"{name}_bias")
+        if name.endswith("gate_up_proj"):
+            weight = torch.cat([weight[:, 0::2], weight[:, 1::2]], dim=1)
+            bias = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
+        state[name], state[f"{name}_bias"] = weight.contiguous(), bias
+    for name in [n for n in state if ".mlp.router." in n]:
+        state[name.replace(".mlp.router.", ".mlp.gate.")] = state.pop(name)
+
+
+# LFM2's names -> the decoder's: its norms, attention and MLP are Llama's under other names.
+_LFM2_NAMES = {
+    "operator_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "self_attn.out_proj": "self_attn.o_proj",
+    "self_attn.q_layernorm": "self_attn.q_norm",
+    "self_attn.k_layernorm": "self_attn.k_norm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+_LFM2_PATTERN = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, _LFM2_NAMES))})(\.\w+)")
+
+
+def rename_lfm2(state: dict[str, Any], sizes: dict[str, int]) -> None:
+    """LFM2's tensors under the decoder's names, in place (its conv layers' `conv.in_proj`,
+    `conv.conv`, `conv.out_proj` are the decoder's own, models/short_conv.py); its final norm,
+    `embedding_norm`, is the decoder's `norm`."""
+    for name in list(state):
+        if match := _LFM2_PATTERN.fullmatch(name):
+            state[f"{match[1]}{_LFM2_NAMES[match[2]]}{match[3]}"] = state.pop(name)
+        elif name == "embedding_norm.weight":
+            state["norm.weight"] = state.pop(name)

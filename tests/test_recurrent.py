@@ -1,0 +1,128 @@
+"""Recurrent state beside the KV cache (issue 65), LFM2 first: its gated short convolutions keep
+their last inputs in a rotating buffer of the cache (caches/conv_state.py) beside the attention
+layer's K/V, on a tiny checkpoint transformers saved from its own `Lfm2Config` (conv, attention,
+conv). Tokens and logits equal transformers' on eager and compiled, batch 4 and 1, prompts past
+the conv buffer's 64 slots, 200 new tokens; a prompt prefilled in two steps and a conversation
+continued from its row read the conv layers' history from the cache; the buffer holds what
+transformers' conv state holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_greedy
+
+import staticrt
+from staticrt.caches import CacheSpec, build_cache
+from staticrt.errors import ArtifactError, CacheError
+from staticrt.exporters import export_artifact
+from staticrt.generation.generator import load_artifact
+from staticrt.generation.prefix import continues
+
+PROMPTS = [[5, 17, 99, 3, 200, 45, 8], list(range(10, 80)), [1, 2, 3], list(range(100, 120))]
+NEW_TOKENS = 200
+OPTIONS = dict(max_cache_len=288, prefill_buckets=(16, 128))
+
+
+@pytest.fixture(scope="module")
+def expected(transformers_tokens):
+    return transformers_tokens("lfm2", PROMPTS, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def model(hf_checkpoints):
+    loaded = staticrt.load_model(hf_checkpoints["lfm2"][0])
+    assert loaded.config.layer_types == ("conv", "full_attention", "conv")
+    assert loaded.config.intermediate_size == 128 and loaded.config.conv_kernel == 3
+    return loaded
+
+
+def test_logits_equal_transformers_in_one_step_and_continued_from_a_row(hf_checkpoints, model):
+    hf = hf_checkpoints["lfm2"][1]
+    ids = torch.tensor([PROMPTS[1]])  # 70 tokens
+    cache = build_cache(model.config, CacheSpec("static", 1, 96), torch.float32)
+    with torch.no_grad():
+        theirs = hf(ids).logits[0]
+        whole = model(ids, torch.tensor([0]), cache, last_only=False)[0]
+        # the same prompt in two steps: the second reads the conv layers' last inputs from the cache
+        model(ids[:, :29], torch.tensor([0]), cache, last_only=False)
+        rest = model(ids[:, 29:], torch.tensor([29]), cache, last_only=False)[0]
+    torch.testing.assert_close(whole, theirs, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rest, theirs[29:], rtol=1e-4, atol=1e-4)
+
+
+def test_the_conv_buffer_holds_the_inputs_transformers_conv_state_holds(hf_checkpoints, model):
+    """Row 0 prefills 70 tokens; row 1 three, right-padded to 70, whose padding writes nothing."""
+    hf = hf_checkpoints["lfm2"][1]
+    ids = torch.tensor([PROMPTS[1], PROMPTS[2] + [0] * 67])
+    cache = build_cache(model.config, CacheSpec("static", 2, 96), torch.float32)
+    with torch.no_grad():
+        # transformers' conv state: each row's last K = 3 inputs `[C, K]`
+        states = [hf(torch.tensor([p]), use_cache=True).past_key_values.get_conv_state(0, 0)[0] for p in PROMPTS[1:3]]
+        model(ids, torch.tensor([0, 0]), cache, num_new=torch.tensor([70, 3]))
+    assert cache.conv_0.shape == (2, 1, 64, 64) and cache.layer_layout(0) == "conv"
+    torch.testing.assert_close(cache.conv_0[0, 0, [67 % 64, 68 % 64, 69 % 64]], states[0].T, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache.conv_0[1, 0, :3], states[1].T, rtol=1e-5, atol=1e-6)
+    assert not cache.conv_0[1, 0, 3:].any()
+
+
+def test_eager_tokens_equal_transformers_batch_four_and_one(model, expected):
+    gen = staticrt.Generator(model, max_batch_size=4, **OPTIONS)
+    assert gen.generate(PROMPTS, NEW_TOKENS) == expected
+    alone = staticrt.Generator(model, max_batch_size=1, **OPTIONS)
+    assert alone.generate([PROMPTS[1]], NEW_TOKENS) == [expected[1]]
+
+
+def test_compiled_tokens_equal_transformers(model, expected):
+    gen = staticrt.Generator(model, max_batch_size=4, backend="compiled", **OPTIONS)
+    assert gen.generate(PROMPTS, NEW_TOKENS) == expected
+
+
+def test_a_conversation_continues_from_its_row_with_transformers_tokens(hf_checkpoints, model):
+    """Each turn is the whole conversation; the row keeps all but the last answer token, whose
+    position the conv buffer still reaches (64 slots, 3 read)."""
+    hf = hf_checkpoints["lfm2"][1]
+    gen = staticrt.Generator(model, max_batch_size=1, **OPTIONS)
+    conversation, kept = list(PROMPTS[0]), []
+    for user in ([7, 8, 9, 10], list(range(30, 50))):
+        answer = gen.generate([conversation], 12, reuse_prefix=True)[0]
+        assert answer == hf_greedy(hf, conversation, 12)
+        kept.append(gen.last_stats.kept[0])
+        conversation += answer + user
+    assert gen.generate([conversation], 12, reuse_prefix=True)[0] == hf_greedy(hf, conversation, 12)
+    assert gen.last_stats.kept[0] == len(conversation) - 20 - 1  # all but the user turn and the last answer token
+    assert kept[1] == len(PROMPTS[0]) + 12 - 1
+    # a new prompt in the row the conversation filled (the logits test reads stale slots below 0)
+    assert gen.generate([[42]], 12)[0] == hf_greedy(hf, [42], 12)
+
+
+def test_a_conv_layer_continues_only_where_its_buffer_still_holds_the_inputs():
+    """prefix.py's rule with a conv layer's (64 slots, window 3): a row that wrote up to 100 goes
+    back to 39 at most (100 - 39 = 61 = 64 - 3)."""
+    conv = ((64, 3),)
+    assert continues(100, 39, conv) and not continues(100, 38, conv)
+    assert continues(50, 0, conv)  # never wrapped
+
+
+@pytest.mark.parametrize("kind", ["offloaded", "sink", "static-int8"])
+def test_caches_that_cannot_hold_conv_layers_are_refused_by_name(model, kind):
+    with pytest.raises(CacheError) as raised:
+        build_cache(model.config, CacheSpec(kind, 1, 64), torch.float32)
+    assert str(raised.value) == (
+        f"cache {kind!r} cannot hold this lfm2 model's conv layers (their state is kept in float on the "
+        "device); use cache='static' or 'sliding' or 'hybrid'"
+    )
+
+
+def test_pt2_runs_the_conv_layers_and_onnx_refuses_them_by_name(model, expected, tmp_path):
+    """The torch.export program holds the conv buffers as it holds K/V; the ONNX graph does not yet."""
+    folder = export_artifact(model, CacheSpec("static", 4, 288), [128], tmp_path / "pt2", ["pt2"])
+    assert load_artifact(folder, "pt2").generate(PROMPTS, NEW_TOKENS) == expected
+    with pytest.raises(ArtifactError) as raised:
+        export_artifact(model, CacheSpec("static", 1, 64), [16], tmp_path / "onnx", ["onnx"])
+    assert str(raised.value) == (
+        "the onnx format does not hold a lfm2 model's conv layers yet (their state is not an input of the graph); "
+        "export the torch formats (--format pt2,aoti), which run it"
+    )
+    assert not (tmp_path / "onnx").exists()
