@@ -1,9 +1,9 @@
 """Prefix reuse: a row continues from the tokens its cache holds and prefills only the rest.
 
 A conversation's turns, each the whole conversation so far, give transformers' greedy tokens for
-that whole conversation while prefilling only the new turn, on all four families and the static,
-sliding (prompts shorter and longer than the window) and hybrid caches, eager, compiled (no
-recompile) and ONNX. A property test over random shared prefixes holds reuse against a whole
+that whole conversation while prefilling only the new turn, on all four families and LFM2's conv
+layers, the static, sliding (prompts shorter and longer than the window) and hybrid caches, eager,
+compiled (no recompile) and ONNX. A property test over random shared prefixes holds reuse against a whole
 prefill where rotating buffers have wrapped, which is where continuing can go wrong.
 """
 
@@ -30,6 +30,7 @@ CASES = {
     "qwen2": ("static", 128),
     "gemma2": ("hybrid", 128),
     "mistral-sw16": ("sliding", 64),
+    "lfm2": ("static", 128),  # conv layers: their inputs' buffer of 64 slots continues as a rotating layer does
 }
 
 
@@ -238,6 +239,7 @@ def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints):
         ("mistral-sw16", "sliding"),
         ("llama", "static-int8"),
         ("llama", "offloaded"),
+        ("lfm2", "static"),
     ],
 )
 def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf_checkpoints, name, cache):
