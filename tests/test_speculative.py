@@ -28,6 +28,7 @@ CASES = {
     "qwen2": ("static", 128),
     "gemma2": ("hybrid", 128),
     "mistral-sw16": ("sliding", 128),
+    "lfm2": ("static", 128),  # a rejected draft's conv inputs: its 64-slot buffer continues from before them
 }
 NEW_TOKENS = 40
 
