@@ -1,10 +1,10 @@
 """Recurrent state beside the KV cache (issue 65), LFM2 first: its gated short convolutions keep
 their last inputs in a rotating buffer of the cache (caches/conv_state.py) beside the attention
 layer's K/V, on a tiny checkpoint transformers saved from its own `Lfm2Config` (conv, attention,
-conv). Tokens and logits equal transformers' on eager and compiled, batch 4 and 1, prompts past
-the conv buffer's 64 slots, 200 new tokens; a prompt prefilled in two steps and a conversation
-continued from its row read the conv layers' history from the cache; the buffer holds what
-transformers' conv state holds.
+conv). Tokens and logits equal transformers' on eager, compiled, pt2, AOTInductor and ONNX, batch 4
+and 1, prompts past the conv buffer's 64 slots, 200 new tokens; a prompt prefilled in two steps,
+a conversation continued from its row (eager and ONNX) and rejected drafts read the conv layers'
+history from the cache; the buffer holds what transformers' conv state holds.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from hf_models import hf_greedy
 
 import staticrt
 from staticrt.caches import CacheSpec, build_cache
-from staticrt.errors import ArtifactError, CacheError
+from staticrt.errors import CacheError
 from staticrt.exporters import export_artifact
 from staticrt.generation.generator import load_artifact
 from staticrt.generation.prefix import continues
@@ -115,14 +115,30 @@ def test_caches_that_cannot_hold_conv_layers_are_refused_by_name(model, kind):
     )
 
 
-def test_pt2_runs_the_conv_layers_and_onnx_refuses_them_by_name(model, expected, tmp_path):
-    """The torch.export program holds the conv buffers as it holds K/V; the ONNX graph does not yet."""
-    folder = export_artifact(model, CacheSpec("static", 4, 288), [128], tmp_path / "pt2", ["pt2"])
-    assert load_artifact(folder, "pt2").generate(PROMPTS, NEW_TOKENS) == expected
-    with pytest.raises(ArtifactError) as raised:
-        export_artifact(model, CacheSpec("static", 1, 64), [16], tmp_path / "onnx", ["onnx"])
-    assert str(raised.value) == (
-        "the onnx format does not hold a lfm2 model's conv layers yet (their state is not an input of the graph); "
-        "export the torch formats (--format pt2,aoti), which run it"
-    )
-    assert not (tmp_path / "onnx").exists()
+def test_the_artifacts_run_the_conv_layers_with_transformers_tokens(model, expected, tmp_path):
+    """torch.export's program (and AOTInductor's library of it) holds the conv buffers as it holds
+    K/V; the ONNX graph takes them as past/present inputs by position, its rows left-padded
+    (onnx_step.py's GraphConvView), and has no genai_config.json (genai feeds no conv state)."""
+    folder = export_artifact(model, CacheSpec("static", 4, 288), [128], tmp_path / "torch", ["pt2", "aoti"])
+    for backend in ("pt2", "aoti"):
+        assert load_artifact(folder, backend).generate(PROMPTS, NEW_TOKENS) == expected, backend
+    folder = export_artifact(model, CacheSpec("static", 4, 288), [128], tmp_path / "onnx", ["onnx"])
+    assert load_artifact(folder, "onnx").generate(PROMPTS, NEW_TOKENS) == expected
+    assert not (folder / "genai_config.json").exists()
+
+
+def test_an_onnx_row_continues_its_conversation_and_verifies_drafts(hf_checkpoints, model, tmp_path):
+    """A batch-1 ONNX row keeps the conversation's tokens and prefills the turn, and a verify step
+    whose drafts are rejected leaves the conv buffer where it continues exactly."""
+    hf = hf_checkpoints["lfm2"][1]
+    folder = export_artifact(model, CacheSpec("static", 1, 160), [64], tmp_path / "onnx", ["onnx"])
+    gen = load_artifact(folder, "onnx")
+    conversation = list(PROMPTS[0])
+    for user in ([7, 8, 9, 10], list(range(30, 50))):
+        assert gen.generate([conversation], 12, reuse_prefix=True)[0] == hf_greedy(hf, conversation, 12)
+        conversation += hf_greedy(hf, conversation, 12) + user
+    assert gen.generate([conversation], 12, reuse_prefix=True)[0] == hf_greedy(hf, conversation, 12)
+    assert gen.last_stats.kept[0] == len(conversation) - 20 - 1
+    repeats = PROMPTS[0] * 3
+    assert gen.generate([repeats], 40, speculative="ngram:4")[0] == hf_greedy(hf, repeats, 40)
+    assert gen.last_stats.verify_steps > 0 and gen.last_stats.drafted > gen.last_stats.accepted

@@ -28,7 +28,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import CacheError, check_positions
 from . import masks
-from .conv_state import CONV_KINDS, ConvView, conv_slots
+from .conv_state import CONV_KINDS, ConvView, conv_parts, conv_slots
 from .ops import cache_write, write_rotating
 from .spec import CacheSpec, cache_window
 from .view import LayerView, StepMetadata
@@ -72,12 +72,8 @@ class KVCache(nn.Module, ABC):
         self.device = torch.device(device)
         self.dtype = dtype
         self.host_names: set[str] = set()  # buffers kept in host memory, whatever the cache's device
-        for i, length in enumerate(self.layer_lengths):
-            if i in self.conv_layers:  # [B, 1, S, C]: a rotating layer of one head as wide as the model
-                shape = (spec.max_batch_size, 1, length, config.hidden_size)
-                self.register_static(f"conv_{i}", torch.zeros(shape, dtype=dtype, device=self.device))
-            else:
-                self.allocate_layer(i, self.layer_shape(length))
+        for i in range(config.num_layers):
+            self.allocate_layer(i)
         self.register_static("seq_lens", torch.zeros(spec.max_batch_size, dtype=torch.int64, device=device))
 
     @classmethod
@@ -121,10 +117,17 @@ class KVCache(nn.Module, ABC):
         (view.py) sees its own entries as one that writes first does, whatever the cache stores."""
         return self.decode(self.encode(key, value))
 
-    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
+    def layer_parts(self, layer_idx: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """Layer `layer_idx`'s parts as `part_layout` says, or a conv layer's one (conv_state.py):
+        each a buffer `{name}_{layer}` and an ONNX graph's input."""
+        if layer_idx in self.conv_layers:
+            return conv_parts(self.spec.max_batch_size, self.layer_lengths[layer_idx], self.config, self.dtype)
+        return self.part_layout(self.layer_shape(self.layer_lengths[layer_idx]))
+
+    def allocate_layer(self, layer_idx: int) -> None:
         """Allocate layer `layer_idx`'s parts on the cache's device (offloaded.py puts some on the host)."""
-        for part, part_shape, dtype in self.part_layout(shape):
-            self.register_static(f"{part}_{layer_idx}", torch.zeros(part_shape, dtype=dtype, device=self.device))
+        for part, shape, dtype in self.layer_parts(layer_idx):
+            self.register_static(f"{part}_{layer_idx}", torch.zeros(shape, dtype=dtype, device=self.device))
 
     @property
     def max_sequence_len(self) -> int | None:

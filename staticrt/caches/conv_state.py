@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from ..config import ModelConfig
 from .view import StepMetadata
 
 # Slots a conv layer keeps: K - 1 are read, the rest let a row continue from up to S - K positions
@@ -33,6 +34,11 @@ CONV_KINDS = ("static", "sliding", "hybrid")
 
 def conv_slots(kernel: int) -> int:
     return max(CONV_SLOTS, kernel)
+
+
+def conv_parts(batch: int, slots: int, config: ModelConfig, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    """A conv layer's one part, `conv [B, 1, S, C]`: a rotating layer of one head as wide as the model."""
+    return [("conv", (batch, 1, slots, config.hidden_size), dtype)]
 
 
 class ConvCache(Protocol):

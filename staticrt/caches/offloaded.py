@@ -147,10 +147,11 @@ class OffloadedCache(KVCache):
             i: tuple(_device_view(h, self.device) if views else h for h in self.host_buffers(i)) for i in self.offloaded
         }
 
-    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
+    def allocate_layer(self, layer_idx: int) -> None:
         if self.rotating[layer_idx]:  # a sliding layer's window is small: it stays on the device
-            return super().allocate_layer(layer_idx, shape)
+            return super().allocate_layer(layer_idx)
         host = "meta" if self.device.type == "meta" else "cpu"
+        shape = self.layer_shape(self.layer_lengths[layer_idx])
         for name in (f"host_key_{layer_idx}", f"host_value_{layer_idx}"):
             storage = torch.zeros(shape, dtype=self.dtype, device=host, pin_memory=self.pinned)
             self.register_static(name, storage, host=True)

@@ -22,6 +22,10 @@ and dequantizes what attention reads with plain arithmetic (Abs, ReduceMax, Div,
 Mul), standard ops every runtime has. onnxruntime-genai has no input for the scales, so such an
 artifact has no genai_config.json; staticrt's runner binds every past by name and runs it.
 
+A conv layer (LFM2's; caches/conv_state.py) takes past_key_values.{i}.conv [B, 1, N, C] instead, its
+last inputs by position mod N, read and written by the graph as onnx_step.py's GraphConvView says;
+genai has no input for it either.
+
 Cache slots follow the attention mask's columns, as in transformers and onnxruntime-genai: this
 step's S entries go to columns T - S .. T - 1, written by the standard `TensorScatter` (opset 24)
 at T - S (T counted to each row's last marked column, see `marked_columns`), mode `linear` for a
@@ -71,13 +75,7 @@ GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a ro
 def check_onnx_cache(cache: KVCache) -> None:
     """Refuse a rotating layout onnxruntime-genai would allocate differently: it gives a sliding
     layer `window_size + cache_slack` slots and reads a cache_slack of 0 as its default (16), so
-    the rotating layers need at least one slot more than the model's window. A conv layer's state
-    (LFM2) is not an input of the graph yet: refused by name, before anything is traced."""
-    if cache.conv_layers:
-        raise ArtifactError(
-            f"the onnx format does not hold a {cache.config.family} model's conv layers yet (their state is not an "
-            "input of the graph); export the torch formats (--format pt2,aoti), which run it"
-        )
+    the rotating layers need at least one slot more than the model's window."""
     if cache.window is not None and cache.window <= cache.config.sliding_window:
         raise ArtifactError(
             f"window is {cache.window}, the model's sliding_window; onnxruntime-genai allocates sliding layers "
@@ -93,8 +91,8 @@ def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
     device = cache.device
     past = [
         torch.zeros(shape, dtype=dtype, device=device)
-        for n in cache.layer_lengths
-        for _, shape, dtype in cache.part_layout(cache.layer_shape(n))
+        for i in range(len(cache.layer_lengths))
+        for _, shape, dtype in cache.layer_parts(i)
     ]
     ids = torch.zeros(batch, seq_len, dtype=torch.int64, device=device)
     logits_index = torch.tensor([3, 4], dtype=torch.int64, device=device)  # the graph takes [-2, -1] alike
@@ -102,7 +100,7 @@ def example_inputs(cache: KVCache) -> tuple[torch.Tensor, ...]:
 
 
 def io_names(cache: KVCache) -> tuple[list[str], list[str]]:
-    kv = [f"{i}.{part}" for i in range(len(cache.rotating)) for part in cache.parts]
+    kv = [f"{i}.{part}" for i in range(len(cache.rotating)) for part, _, _ in cache.layer_parts(i)]
     return (
         ["input_ids", "attention_mask", "position_ids", LOGITS_INDEX, *(f"past_key_values.{n}" for n in kv)],
         ["logits", INDEXED_LOGITS, *(f"present.{n}" for n in kv)],
@@ -120,7 +118,7 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
         {0: batch, 1: total},
         {0: batch, 1: seq_len},
         {0: Dim("logits_length")},
-        tuple({0: batch} for _ in range(len(cache.parts) * len(cache.rotating))),
+        tuple({0: batch} for _ in io_names(cache)[0][4:]),
     )
     inputs, outputs = io_names(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -274,8 +272,8 @@ def write_onnx(
             f"quantize the weights to {quantize.layout} (ONNX Runtime's MatMulNBits)",
             lambda: quantize_graph(path, quantize, head),
         )
-    genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales
-    if cache.parts == KVCache.parts:
+    genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales or a conv state
+    if cache.parts == KVCache.parts and not cache.conv_layers:
         (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
         genai = GENAI_CONFIG
     return {"onnx": {"graph": GRAPH, "genai_config": genai, "quantize": quantized, "fused": fused, **graph_io(path)}}

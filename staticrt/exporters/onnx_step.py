@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..caches import KVCache, StepMetadata, masks
+from ..caches import KVCache, LayerView, StepMetadata, masks
+from ..caches.conv_state import ConvView
 from ..caches.ops import tensor_scatter
 from ..models.decoder import Decoder
 
@@ -30,15 +31,16 @@ class GraphCache(KVCache):
     present: dict[int, tuple[torch.Tensor, ...]]  # layer -> its written parts, the step's outputs
     inputs: StepInputs
 
-    def allocate_layer(self, layer_idx: int, shape: tuple[int, ...]) -> None:
-        """No buffers: each layer's parts arrive as `past_key_values.{i}.{part}` (`part_layout`)."""
+    def allocate_layer(self, layer_idx: int) -> None:
+        """No buffers: each layer's parts arrive as `past_key_values.{i}.{part}` (`layer_parts`)."""
 
     def bind(self, past: list[torch.Tensor], inputs: StepInputs) -> None:
-        """Take this step's inputs: `past` as layer 0's parts (key, value[, key_scale, value_scale]),
-        then layer 1's, ...; K and V `[B, H_kv, N_i, D]`."""
-        n, layers = len(self.parts), len(self.rotating)
-        assert len(past) == n * layers, f"{len(past)} past tensors for {layers} layers of {n} parts"
-        self.past = [tuple(past[n * i : n * (i + 1)]) for i in range(layers)]
+        """Take this step's inputs: `past` as layer 0's parts (key, value[, key_scale, value_scale];
+        a conv layer's conv), then layer 1's, ...; K and V `[B, H_kv, N_i, D]`."""
+        counts = [len(self.layer_parts(i)) for i in range(len(self.rotating))]
+        assert len(past) == sum(counts), f"{len(past)} past tensors for {sum(counts)} parts of {len(counts)} layers"
+        ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+        self.past = [tuple(past[end - n : end]) for n, end in zip(counts, ends, strict=True)]
         self.present = {}
         self.inputs = inputs
 
@@ -51,6 +53,11 @@ class GraphCache(KVCache):
         """Lengths live in the attention mask here, and positions are the graph's `position_ids`
         (a padded row's slots and positions differ)."""
         return self.metadata(write_index, num_new, self.inputs.position_ids)
+
+    def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView | ConvView:
+        if layer_idx in self.conv_layers:
+            return GraphConvView(self, layer_idx, meta)
+        return super().view(layer_idx, meta, layer_input)
 
     def writes_first(self, rotating: bool, seq_len: int) -> bool:
         """Rotating layers always attend first: one graph serves every S, decode included."""
@@ -100,6 +107,42 @@ class GraphCache(KVCache):
         window = self.attention_window(attention)
         seen = masks.visible(torch.where(real, key_pos, -1), positions[:, :, None], window)
         return (seen | (key_columns == columns[:, :, None]))[:, None]
+
+
+class GraphConvView(ConvView):
+    """A conv layer in the graph (caches/conv_state.py): its buffer of inputs by position is an
+    input (`past`) and an output (`present`), and the step's tokens arrive by mask column.
+
+    Rows are left-padded, so a row's new tokens are the step's last columns, at consecutive
+    positions up to its last column's (every row's last column is real). Counting back from it,
+    column c stands for position last - (S - 1 - c): a hole stands for a position before the row's
+    first new token, whose input the buffer holds (zero below 0). Worked, S = 4, K = 3, a row whose
+    2 new tokens sit at positions 7 and 8: the columns stand for 5 6 7 8, the window is 3..8, of
+    which 3 4 5 6 come from the buffer and 7 8 from the step, and the write puts 5 6 (as read) 7 8
+    back at their slots."""
+
+    cache: GraphCache
+
+    def inputs_with_history(self, inputs: torch.Tensor, kernel: int) -> torch.Tensor:
+        cache, step = self.cache, self.cache.inputs
+        (buf,) = cache.past[self.layer_idx]  # [B, 1, N, C]
+        batch, seq_len, _ = inputs.shape
+        slots = buf.shape[2]
+        width = device_size(inputs, 1) + kernel - 1  # K - 1 + S, counted on the device
+        positions = step.position_ids[:, -1:] - width + 1 + torch.arange(seq_len + kernel - 1, device=buf.device)
+        rows = torch.arange(batch, device=buf.device)[:, None]
+        held = buf[rows, 0, torch.remainder(positions, slots)]  # [B, K - 1 + S, C]
+        held = torch.where((positions >= 0)[..., None], held, torch.zeros((), dtype=buf.dtype, device=buf.device))
+        columns = step.write_index[:, None] + torch.arange(seq_len, device=buf.device)  # [B, S]
+        real = step.attention_mask.gather(1, columns) > 0  # [B, S]
+        new = torch.where(real[..., None], inputs, held[:, kernel - 1 :])  # [B, S, C]
+        window = torch.cat([held[:, : kernel - 1], new], dim=1)  # [B, K - 1 + S, C]
+        # the newest min(S, N) columns, from the slot of the first kept one; after the reads of `past`
+        dropped = torch.sym_max(seq_len - slots, 0)
+        first = positions[:, kernel - 1] + (device_size(inputs, 1) - slots).clamp(min=0)  # [B]
+        present = tensor_scatter(buf, new[:, dropped:].unsqueeze(1), torch.remainder(first, slots), True, window)
+        cache.present[self.layer_idx] = (present,)
+        return window
 
 
 def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:
