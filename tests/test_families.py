@@ -204,6 +204,7 @@ GGUF_CASES = {
     ),
     "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     "qwen3_moe": dict(head_dim=128, mlp_only_layers=[], moe_intermediate_size=768),  # its experts 3-D, as llama.cpp's
+    "lfm2": {},  # its conv layers marked by 0 K/V heads, the conv weights [C, K]
 }
 
 
@@ -246,8 +247,8 @@ def test_a_gguf_of_an_architecture_transformers_does_not_read_is_refused_by_name
         staticrt.load_model(tmp_path / "olmo.gguf")
     assert str(refused.value) == (
         "olmo.gguf holds a 'olmo2' model; staticrt convert reads GGUF through transformers, whose reader gives "
-        "staticrt the architectures llama, mistral, qwen2, gemma2, qwen3, gemma3, phi3, qwen3moe: convert the model's "
-        "safetensors checkpoint folder instead (staticrt run --model FOLDER)"
+        "staticrt the architectures llama, mistral, qwen2, gemma2, qwen3, gemma3, phi3, qwen3moe, lfm2: convert the "
+        "model's safetensors checkpoint folder instead (staticrt run --model FOLDER)"
     )
 
 

@@ -1,9 +1,9 @@
-"""A Llama, Qwen3, Gemma 3 or Phi-3 `Decoder` written as a GGUF file llama.cpp runs, so `bench --gguf
+"""A Llama, Qwen3, Qwen3-MoE, Gemma 3, Phi-3 or LFM2 `Decoder` written as a GGUF file llama.cpp runs, so `bench --gguf
 Q4_0` can time llama.cpp on the very weights staticrt runs (a preset has no GGUF of its own), and the
 tests can convert each family's GGUF back through transformers' reader.
 
 The layout is llama.cpp's own converter's (convert_hf_to_gguf.py: `LlamaModel`, `Qwen3Model`,
-`Gemma3Model`, `Phi3MiniModel`): its tensor names, Llama's Q and K rows permuted for its interleaved
+`Gemma3Model`, `Phi3MiniModel`, `LFM2Model`): its tensor names, Llama's Q and K rows permuted for its interleaved
 RoPE (the others rotate in halves, as transformers does, and keep their order), Gemma's norms stored
 as 1 + w, Phi-3's fused q/k/v and gate/up, the projections in the asked block type
 (quantized by the gguf library, llama.cpp's reference code in NumPy), the embedding and head in
@@ -50,6 +50,14 @@ ARCHITECTURES = {
         },
     ),
     "qwen3_moe": ("qwen3moe", SPLIT | NORMS | QK_NORMS | EXPERTS),
+    # LFM2: its conv layers' tensors (the conv `[C, 1, K]` as llama.cpp's `[C, K]`), its final norm as token_embd_norm
+    "lfm2": (
+        "lfm2",
+        SPLIT
+        | NORMS
+        | QK_NORMS
+        | {"conv.conv": "shortconv.conv", "conv.in_proj": "shortconv.in_proj", "conv.out_proj": "shortconv.out_proj"},
+    ),
     "phi3": (
         "phi3",
         {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up"}
@@ -90,7 +98,7 @@ def check_writable(model: Decoder, qtype: str) -> None:
     ]
     if unsupported or qtype not in GGUF_TYPES:
         raise BenchError(
-            f"--gguf {qtype}: writes a float Llama, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3 model (no biases, default "
+            f"--gguf {qtype}: writes a float Llama, Qwen3, Qwen3-MoE, Gemma 3, Phi-3 or LFM2 model (no biases, default "
             f"RoPE) as {', '.join(GGUF_TYPES)}; this model has {', '.join(unsupported) or 'no such type'}: pass a GGUF "
             "file of it instead"
         )
@@ -128,7 +136,11 @@ def _add_hyperparameters(writer: Any, c: ModelConfig) -> None:
     writer.add_block_count(c.num_layers)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_heads)
-    writer.add_head_count_kv(c.num_kv_heads)
+    # LFM2 marks its conv layers by 0 K/V heads, as llama.cpp's converter writes them
+    kv_heads = [0 if kind == "conv" else c.num_kv_heads for kind in c.layer_types]
+    writer.add_head_count_kv(kv_heads if "conv" in c.layer_types else c.num_kv_heads)
+    if c.conv_kernel:
+        writer.add_shortconv_l_cache(c.conv_kernel)
     writer.add_key_length(c.head_dim)
     writer.add_value_length(c.head_dim)
     writer.add_rope_dimension_count(c.rotary_dim)
@@ -188,8 +200,11 @@ def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:
                 add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate), qtype)
                 add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up), qtype)
                 continue
-            add(f"blk.{i}.{short}.weight", weight, "F32" if weight.ndim == 1 or short == "ffn_gate_inp" else qtype)
-    add("output_norm.weight", state["norm.weight"], "F32")
+            if short == "shortconv.conv":  # [C, 1, K] -> [C, K], float as llama.cpp keeps it
+                weight = weight.squeeze(1)
+            float_kept = weight.ndim == 1 or short in ("ffn_gate_inp", "shortconv.conv")
+            add(f"blk.{i}.{short}.weight", weight, "F32" if float_kept else qtype)
+    add(f"{'token_embd_norm' if architecture == 'lfm2' else 'output_norm'}.weight", state["norm.weight"], "F32")
     if "lm_head.weight" in state:  # a tied head is the embedding, which llama.cpp reads when `output` is absent
         add("output.weight", state["lm_head.weight"], companion)
     writer.write_header_to_file()

@@ -33,6 +33,7 @@ GGUF_FAMILIES = {
     "gemma3": "gemma3_text",
     "phi3": "phi3",
     "qwen3moe": "qwen3_moe",
+    "lfm2": "lfm2",
 }
 Stage = Callable[[str], None]  # what is about to start
 
