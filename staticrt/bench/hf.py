@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..loading.checkpoint_layouts import lfm2_names
 from ..loading.hf_config import config_to_hf
 from ..models.decoder import Decoder
 from .contenders import Contender
@@ -23,7 +24,10 @@ def hf_model_like(model: Decoder) -> Any:
     dtype = next(model.parameters()).dtype
     cfg = transformers.AutoConfig.for_model(**config_to_hf(model.config))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in model.state_dict().items()}
+    ours = model.state_dict()
+    if model.config.family == "lfm2":  # the one family benched against transformers whose names differ
+        ours = lfm2_names(ours)
+    state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}
     if model.config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     hf.load_state_dict(state, strict=True)  # a name that does not match must not leave random weights

@@ -80,6 +80,25 @@ _LFM2_NAMES = {
 _LFM2_PATTERN = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, _LFM2_NAMES))})(\.\w+)")
 
 
+def lfm2_names(state: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's state dict under LFM2's checkpoint names: `rename_lfm2`'s inverse, for a
+    transformers model of the same weights (the bench's contender)."""
+    back = {ours: theirs for theirs, ours in _LFM2_NAMES.items()}
+    pattern = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, back))})(\.\w+)")
+    named = {}
+    for name, tensor in state.items():
+        match = pattern.fullmatch(name)
+        name = (
+            f"{match[1]}{back[match[2]]}{match[3]}"
+            if match
+            else "embedding_norm.weight"
+            if name == "norm.weight"
+            else name
+        )
+        named[name] = tensor
+    return named
+
+
 def rename_lfm2(state: dict[str, Any], sizes: dict[str, int]) -> None:
     """LFM2's tensors under the decoder's names, in place (its conv layers' `conv.in_proj`,
     `conv.conv`, `conv.out_proj` are the decoder's own, models/short_conv.py); its final norm,

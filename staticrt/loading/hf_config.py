@@ -245,6 +245,14 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         cfg["no_rope_layers"] = [int(i not in c.nope_layers) for i in range(c.num_layers)]
     if c.num_experts:
         cfg.update(_experts_to_hf(c))
+    if c.family == "lfm2":  # its own spellings (families.py's _lfm2_fields), the MLP width as it is
+        cfg.update(
+            layer_types=list(c.layer_types),
+            conv_L_cache=c.conv_kernel,
+            conv_bias=c.conv_bias,
+            norm_eps=c.rms_norm_eps,
+            block_auto_adjust_ff_dim=False,
+        )
     return cfg
 
 

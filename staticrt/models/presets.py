@@ -4,7 +4,8 @@ benchmark is defined on; `bench-1b` is a Llama-3.2-1B shape (1.24e9 parameters) 
 `bench-qwen3` is Qwen3-0.6B's shape (0.6e9 parameters, 0.44e9 without the tied embedding; head_dim
 128 apart from hidden / heads, q/k norms), the CPU benchmark of the families of 2026;
 `bench-qwen3-moe` is Qwen3-30B-A3B's kind scaled to a CPU (8 layers, 32 experts of which a token
-reads 4: 0.50e9 parameters, 0.23e9 of them a decode step reads)."""
+reads 4: 0.50e9 parameters, 0.23e9 of them a decode step reads); `bench-lfm2` is LFM2-1.2B's shape
+(1.17e9 parameters: 16 layers, of which 10 gated short convolutions and 6 attention)."""
 
 from __future__ import annotations
 
@@ -105,5 +106,22 @@ PRESETS: dict[str, ModelConfig] = {
         experts_per_token=4,
         moe_intermediate_size=384,
         router_renormalizes=True,
+    ),
+    "bench-lfm2": ModelConfig(
+        family="lfm2",
+        vocab_size=65536,
+        hidden_size=2048,
+        intermediate_size=8192,  # its block_ff_dim 12288, auto-adjusted as transformers does (2/3, multiple of 256)
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=128000,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        qk_norm="head",
+        rope=RopeConfig(theta=1000000.0),
+        layer_types=tuple("full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)),
+        conv_kernel=3,
     ),
 }
