@@ -142,3 +142,13 @@ def test_an_onnx_row_continues_its_conversation_and_verifies_drafts(hf_checkpoin
     repeats = PROMPTS[0] * 3
     assert gen.generate([repeats], 40, speculative="ngram:4")[0] == hf_greedy(hf, repeats, 40)
     assert gen.last_stats.verify_steps > 0 and gen.last_stats.drafted > gen.last_stats.accepted
+
+
+def test_lfm2s_checkpoint_names_go_back_to_what_transformers_loads(hf_checkpoints, model):
+    """The bench's transformers contender loads the decoder's weights under LFM2's names."""
+    from staticrt.loading.checkpoint_layouts import lfm2_names
+
+    theirs = {k.removeprefix("model."): v for k, v in hf_checkpoints["lfm2"][1].state_dict().items()}
+    ours = lfm2_names(model.state_dict())
+    assert sorted(ours) == sorted(k for k in theirs if k != "lm_head.weight")
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
