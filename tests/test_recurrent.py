@@ -1,10 +1,11 @@
 """Recurrent state beside the KV cache (issue 65), LFM2 first: its gated short convolutions keep
 their last inputs in a rotating buffer of the cache (caches/conv_state.py) beside the attention
 layer's K/V, on a tiny checkpoint transformers saved from its own `Lfm2Config` (conv, attention,
-conv). Tokens and logits equal transformers' on eager, compiled, pt2, AOTInductor and ONNX, batch 4
-and 1, prompts past the conv buffer's 64 slots, 200 new tokens; a prompt prefilled in two steps,
-a conversation continued from its row (eager and ONNX) and rejected drafts read the conv layers'
-history from the cache; the buffer holds what transformers' conv state holds.
+conv). Tokens and logits equal transformers' on eager, compiled, cudagraph's host side, pt2,
+AOTInductor and ONNX, batch 4 and 1, prompts past the conv buffer's 64 slots, 200 new tokens; a
+prompt prefilled in two steps, a conversation continued from its row (eager and ONNX) and rejected
+drafts read the conv layers' history from the cache; the buffer holds what transformers' conv
+state holds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from hf_models import hf_greedy
 
 import staticrt
+from staticrt.backends.cudagraph import HostReplayBackend
 from staticrt.caches import CacheSpec, build_cache
 from staticrt.errors import CacheError
 from staticrt.exporters import export_artifact
@@ -74,9 +76,13 @@ def test_eager_tokens_equal_transformers_batch_four_and_one(model, expected):
     assert alone.generate([PROMPTS[1]], NEW_TOKENS) == [expected[1]]
 
 
-def test_compiled_tokens_equal_transformers(model, expected):
+def test_compiled_and_replayed_graphs_give_transformers_tokens(model, expected):
+    """The compiled step graphs, and the CUDA-graph backend's host side replayed on the CPU (its
+    captures write the conv buffers at their fixed addresses, as they write K/V)."""
     gen = staticrt.Generator(model, max_batch_size=4, backend="compiled", **OPTIONS)
     assert gen.generate(PROMPTS, NEW_TOKENS) == expected
+    replayed = staticrt.Generator(HostReplayBackend(model, max_batch_size=4, **OPTIONS))
+    assert replayed.generate(PROMPTS, NEW_TOKENS) == expected
 
 
 def test_a_conversation_continues_from_its_row_with_transformers_tokens(hf_checkpoints, model):
