@@ -27,3 +27,16 @@ def test_a_renamed_flag_or_a_changed_docstring_makes_its_page_stale(tmp_path, mo
     assert reference.main(["--check"]) == 1
     assert capsys.readouterr().err == ("stale: cli.md, python.md; regenerate with python -m staticrt.cli.reference\n")
     assert reference.main([]) == 0 and reference.stale_pages(tmp_path) == {}
+
+
+def test_the_readme_has_a_row_for_every_family_the_decoder_runs():
+    """A family added to the family table without its README row (what it adds, what is tested) fails here."""
+    from pathlib import Path
+
+    from staticrt.config import FAMILIES
+    from staticrt.loading.families import WRAPPERS
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = [line.split("|")[1] for line in readme.splitlines() if line.startswith("| `")]
+    named = {name.strip(" `") for row in rows for name in row.split(",")}
+    assert named == set(FAMILIES) | set(WRAPPERS)
