@@ -69,6 +69,13 @@ def _check_gguf(source: Path) -> None:
         ) from None
     field = reader.fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    experts = reader.fields.get(f"{architecture}.expert_count")
+    if architecture == "llama" and experts is not None and int(experts.parts[experts.data[0]][0]) > 0:
+        raise CheckpointError(
+            f"{source.name} holds a Mixtral (llama.cpp writes it as a 'llama' model with experts), which "
+            "transformers' GGUF reader reads as a dense Llama without them; convert the model's safetensors "
+            "checkpoint folder instead (staticrt run --model FOLDER)"
+        )
     if architecture not in GGUF_FAMILIES:
         raise CheckpointError(
             f"{source.name} holds a {architecture!r} model; staticrt convert reads GGUF through transformers, "
