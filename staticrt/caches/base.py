@@ -10,7 +10,7 @@ get which (static.py, sliding.py, hybrid.py):
 - linear: `max_cache_len` slots, slot j holds position j (TensorScatter mode `linear`);
 - rotating: `window` slots, slot = position mod window (TensorScatter mode `circular`), as in
   mistral-inference's RotatingBufferCache. Nothing rolls or shifts; a decode step writes one slot.
-  A conv layer (LFM2) keeps its last inputs so, in one buffer (conv_state.py).
+  A conv layer (LFM2) keeps its last inputs in one rotating buffer (conv_state.py).
 
 A step starts with `begin_step` (lengths, masks: `StepMetadata`) and each layer then works through
 its `view` (view.py), which also says why a step writes before or after it reads.

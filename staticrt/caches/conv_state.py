@@ -52,8 +52,6 @@ class ConvCache(Protocol):
 class ConvView:
     """One conv layer's cache in one step: the step's inputs with the K - 1 before them."""
 
-    fused = False
-
     def __init__(self, cache: ConvCache, layer_idx: int, meta: StepMetadata) -> None:
         self.cache, self.layer_idx, self.meta = cache, layer_idx, meta
 

@@ -40,8 +40,7 @@ def add_bench_parser(sub: Any) -> None:
         metavar="FILE[,FILE]",
         help="also run llama.cpp on these GGUF files (its own quantization; batch 1), labelled llamacpp-Q4_1 etc., "
         "or on the bench's model written as GGUF: F32, Q8_0, Q4_0, Q4_1 in place of a file (bench/gguf_write.py "
-        "writes Llama, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, LFM2) (the llamacpp extra: llama-cpp-python, built from "
-        "source)",
+        "writes Llama, Qwen3, Qwen3-MoE, Gemma 3, Phi-3, LFM2; the llamacpp extra: llama-cpp-python from source)",
     )
     bench.add_argument(
         "--window",

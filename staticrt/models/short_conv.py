@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..caches.conv_state import ConvView
 from ..config import ModelConfig
 from ..rope import RopeStep
 
@@ -27,7 +28,7 @@ class ShortConv(nn.Module):
         self.in_proj = nn.Linear(width, 3 * width, bias=c.conv_bias)
         self.out_proj = nn.Linear(width, width, bias=c.conv_bias)
 
-    def forward(self, x: torch.Tensor, rope: RopeStep | None, view) -> torch.Tensor:  # noqa: ANN001 - a ConvView
+    def forward(self, x: torch.Tensor, rope: RopeStep | None, view: ConvView) -> torch.Tensor:
         """`x [B*T, C]` -> `[B*T, C]`; `rope` is unused (the signature is the attention's)."""
         batch, seq_len = view.meta.batch, view.meta.seq_len
         b, c, inputs = self.in_proj(x).chunk(3, dim=-1)  # [B*T, C] each, in transformers' order
