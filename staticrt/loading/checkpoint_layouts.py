@@ -1,6 +1,7 @@
 """How a family's checkpoint lays its tensors out where that differs from the decoder's names and
-shapes (Llama's): each function rewrites a checkpoint's state dict in place, before loading, and is
-a family's `split_checkpoint` in the family table (families.py)."""
+shapes (Llama's): each function but `lfm2_names` rewrites a checkpoint's state dict in place,
+before loading, and is a family's `split_checkpoint` in the family table (families.py);
+`lfm2_names` goes the other way, for the bench's transformers contender."""
 
 from __future__ import annotations
 
