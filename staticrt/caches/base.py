@@ -28,7 +28,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import CacheError, check_positions
 from . import masks
-from .conv_state import CONV_KINDS, ConvView, conv_parts, conv_slots
+from .conv_state import ConvView, check_conv_kind, conv_parts, conv_slots
 from .ops import cache_write, write_rotating
 from .spec import CacheSpec, cache_window
 from .view import LayerView, StepMetadata
@@ -50,11 +50,7 @@ class KVCache(nn.Module, ABC):
         super().__init__()
         rotating = self.rotating_layers(config)
         conv = [kind == "conv" for kind in config.layer_types]
-        if any(conv) and self.kind not in CONV_KINDS:
-            raise CacheError(
-                f"cache {self.kind!r} cannot hold this {config.family} model's conv layers (their state is "
-                f"kept in float on the device); use cache={' or '.join(map(repr, CONV_KINDS))}"
-            )
+        check_conv_kind(self.kind, config)
         if spec.window is not None and not any(rotating):
             raise CacheError(
                 f"window={spec.window} has no effect on a {self.kind} cache, whose layers all hold "
