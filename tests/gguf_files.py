@@ -43,3 +43,18 @@ def cut_gguf(source: Path, target: Path, layers: int, qtype: str, overrides: dic
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def stub_gguf(target: Path, arch: str, experts: int = 0) -> Path:
+    """Write `target`: a one-layer GGUF header of `arch` (with `experts` where given) and one tensor,
+    enough for a loader to read its architecture and refuse it."""
+    writer = gguf.GGUFWriter(str(target), arch)
+    writer.add_block_count(1)
+    if experts:
+        writer.add_expert_count(experts)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target

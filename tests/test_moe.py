@@ -127,19 +127,13 @@ def test_moe_variants_not_implemented_and_quantized_experts_are_refused_by_name(
 
 def test_a_mixtral_gguf_is_refused_by_name_before_transformers_reads_it_as_a_dense_llama(tmp_path):
     """llama.cpp writes Mixtral as a "llama" GGUF with experts; transformers' reader would drop them."""
-    gguf = pytest.importorskip("gguf", reason="GGUF needs the gguf extra: use the README's test command")
+    pytest.importorskip("gguf", reason="GGUF needs the gguf extra: use the README's test command")
+    from gguf_files import stub_gguf
+
     from staticrt.errors import CheckpointError
 
-    writer = gguf.GGUFWriter(str(tmp_path / "mixtral.gguf"), "llama")
-    writer.add_block_count(1)
-    writer.add_expert_count(8)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     with pytest.raises(CheckpointError) as refused:
-        staticrt.load_model(tmp_path / "mixtral.gguf")
+        staticrt.load_model(stub_gguf(tmp_path / "mixtral.gguf", "llama", experts=8))
     assert str(refused.value) == (
         "mixtral.gguf holds a Mixtral (llama.cpp writes it as a 'llama' model with experts), which transformers' "
         "GGUF reader reads as a dense Llama without them; convert the model's safetensors checkpoint folder instead "

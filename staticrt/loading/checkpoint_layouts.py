@@ -78,34 +78,34 @@ _LFM2_NAMES = {
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
 }
-_LFM2_PATTERN = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, _LFM2_NAMES))})(\.\w+)")
+
+
+def _renamer(layer_names: dict[str, str], whole: dict[str, str]) -> Callable[[str], str]:
+    """One tensor name -> another: a layer's `layers.N.PART.x` by `layer_names` (PART -> part), a
+    model-wide tensor by `whole`, any other as it is."""
+    pattern = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, layer_names))})(\.\w+)")
+
+    def rename(name: str) -> str:
+        match = pattern.fullmatch(name)
+        return f"{match[1]}{layer_names[match[2]]}{match[3]}" if match else whole.get(name, name)
+
+    return rename
+
+
+# its final norm, `embedding_norm`, is the decoder's `norm`
+_TO_DECODER = _renamer(_LFM2_NAMES, {"embedding_norm.weight": "norm.weight"})
+_TO_LFM2 = _renamer({ours: theirs for theirs, ours in _LFM2_NAMES.items()}, {"norm.weight": "embedding_norm.weight"})
 
 
 def lfm2_names(state: dict[str, Any]) -> dict[str, Any]:
     """The decoder's state dict under LFM2's checkpoint names: `rename_lfm2`'s inverse, for a
     transformers model of the same weights (the bench's contender)."""
-    back = {ours: theirs for theirs, ours in _LFM2_NAMES.items()}
-    pattern = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, back))})(\.\w+)")
-    named = {}
-    for name, tensor in state.items():
-        match = pattern.fullmatch(name)
-        name = (
-            f"{match[1]}{back[match[2]]}{match[3]}"
-            if match
-            else "embedding_norm.weight"
-            if name == "norm.weight"
-            else name
-        )
-        named[name] = tensor
-    return named
+    return {_TO_LFM2(name): tensor for name, tensor in state.items()}
 
 
 def rename_lfm2(state: dict[str, Any], sizes: dict[str, int]) -> None:
     """LFM2's tensors under the decoder's names, in place (its conv layers' `conv.in_proj`,
-    `conv.conv`, `conv.out_proj` are the decoder's own, models/short_conv.py); its final norm,
-    `embedding_norm`, is the decoder's `norm`."""
+    `conv.conv`, `conv.out_proj` are the decoder's own, models/short_conv.py)."""
     for name in list(state):
-        if match := _LFM2_PATTERN.fullmatch(name):
-            state[f"{match[1]}{_LFM2_NAMES[match[2]]}{match[3]}"] = state.pop(name)
-        elif name == "embedding_norm.weight":
-            state["norm.weight"] = state.pop(name)
+        if (ours := _TO_DECODER(name)) != name:
+            state[ours] = state.pop(name)
