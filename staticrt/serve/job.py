@@ -195,7 +195,7 @@ class Plan:
         self.drafts: dict[Job, np.ndarray] | None = None
         self.input_ids = np.zeros((batch, width), dtype=np.int64)
         self.write_index = np.zeros(batch, dtype=np.int64)
-        self.num_new = np.zeros(batch, dtype=np.int64)  # real tokens a row (a decode step: every row 1)
+        self.num_new = np.zeros(batch, dtype=np.int64)  # real tokens a row (0: the row sits the step out)
         self.members: list[Job] = []
         self.finishing: list[Job] = []
         self.sampling: tuple[SamplingParams, np.ndarray | None] = (SamplingParams(), None)

@@ -159,10 +159,12 @@ def _decode_plan(
     """A decode step, or with `drafts` (of at most `width` - 1 tokens) a verify step: each decoding
     row feeds its newest token, then its draft (right-padded), as `speculative.verify_inputs` lays out."""
     plan = Plan(backend, width)
-    plan.num_new[:] = 1  # every row writes: free rows at their end (rows.py)
+    # Only decoding rows feed tokens (num_new 1 + drafts); the others sit out with num_new 0: their
+    # padding lands past what they hold, where masks hide it, and a Mamba2 layer's state stays as it
+    # is (caches/recurrent.py), so a free row keeps its conversation and a chunked prompt its prefix.
     for job in decoding:
         plan.add(job, [job.tokens[-1], *([] if drafts is None else drafts[job].tolist())], job.position)
-    for job in prefilling:  # a chunked prompt between chunks: position `fed` is written next anyway
+    for job in prefilling:  # a chunked prompt between chunks: its padding at `fed`, written next anyway
         plan.write_index[job.row] = job.fed
     memory.park(plan.write_index, rows, width)
     plan.drafts = drafts
