@@ -33,10 +33,14 @@ FAMILIES = (
     "olmoe",
     "gpt_oss",
     "lfm2",
+    "mamba2",
+    "granitemoehybrid",
 )
-# What a layer mixes its tokens with: attention over every position or a window, or a short causal
-# convolution over the last `conv_kernel` positions (LFM2; models/short_conv.py)
-LAYER_KINDS = ("full_attention", "sliding_attention", "conv")
+# What a layer mixes its tokens with: attention over every position or a window, a short causal
+# convolution over the last `conv_kernel` positions (LFM2; models/short_conv.py), or a Mamba2
+# state-space layer (models/mamba2.py): a convolution, then a recurrent state
+LAYER_KINDS = ("full_attention", "sliding_attention", "conv", "mamba")
+RECURRENT_KINDS = ("conv", "mamba")  # the layers whose cache is a state, not K/V (caches/conv_state.py)
 # The MLP activations models/feed_forward.py implements, by transformers' names: silu (and its alias swish), and
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
@@ -152,8 +156,19 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     attention_sinks: bool = False  # a learned logit a head that joins every softmax's denominator (gpt-oss)
     # Gated short convolutions on the layers `layer_types` calls "conv" (LFM2): each reads its K last inputs.
-    conv_kernel: int = 0  # K (LFM2's conv_L_cache)
-    conv_bias: bool = False  # biases on the conv and its in/out projections
+    conv_kernel: int = 0  # K (LFM2's conv_L_cache; a Mamba2 layer's mamba_d_conv)
+    conv_bias: bool = False  # biases on the conv (LFM2: and its in/out projections)
+    # Mamba2 layers (`layer_types` "mamba"): H heads of D channels, a state of N a head in G groups,
+    # prefilled in chunks of `mamba_chunk` positions; their convolution is the conv_* fields'
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state: int = 0  # N
+    mamba_groups: int = 1  # G: B and C are shared by H / G heads each
+    mamba_chunk: int = 256
+    mamba_proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))  # dt clamped in a prefill's scan, as transformers does
+    mixer_only: bool = False  # layers of a norm and a token mixer, no MLP (Mamba2)
+    shared_expert: bool = False  # the dense MLP runs beside the experts, its output added (Granite 4.0-H)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -183,10 +198,13 @@ class ModelConfig:
             raise ConfigError(f"layer_types holds {bad}; staticrt knows {list(LAYER_KINDS)}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
-        if "conv" in self.layer_types and not (isinstance(self.conv_kernel, int) and self.conv_kernel >= 1):
+        recurrent = sorted(set(self.layer_types) & set(RECURRENT_KINDS))
+        if recurrent and not (isinstance(self.conv_kernel, int) and self.conv_kernel >= 1):
             raise ConfigError(
-                f"layer_types has conv layers but conv_kernel is {self.conv_kernel!r}; restore config.json"
+                f"layer_types has {recurrent[0]} layers but conv_kernel is {self.conv_kernel!r}; restore config.json"
             )
+        if "mamba" in self.layer_types:
+            self._check_mamba()
         self._check_additions()
         self._check_experts()
 
@@ -217,6 +235,15 @@ class ModelConfig:
                         f"values (they hold {len(rope.short_factor)} and {len(rope.long_factor)}); restore config.json"
                     )
 
+    def _check_mamba(self) -> None:
+        for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups", "mamba_chunk"):
+            as_int(getattr(self, name), name, 1, ConfigError)
+        if self.mamba_heads % self.mamba_groups:
+            raise ConfigError(
+                f"mamba_n_groups ({self.mamba_groups}) must divide mamba_n_heads ({self.mamba_heads}); "
+                "restore config.json"
+            )
+
     def _check_experts(self) -> None:
         if not self.num_experts:
             object.__setattr__(self, "moe_layers", ())
@@ -238,7 +265,7 @@ class ModelConfig:
 
     def layer_rope(self, layer: int) -> RopeConfig | None:
         """The rotary embedding layer `layer` applies; None for a layer without one."""
-        if layer in self.nope_layers or self.layer_types[layer] == "conv":
+        if layer in self.nope_layers or self.layer_types[layer] in RECURRENT_KINDS:
             return None
         if self.rope_local is not None and self.layer_types[layer] == "sliding_attention":
             return self.rope_local

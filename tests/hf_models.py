@@ -122,8 +122,12 @@ def new_family_config(tf, family: str):
 
 
 # Recurrent state beside the KV cache (issue 65): LFM2's conv layers around an attention layer,
-# its MLP width derived from block_* fields (128 * 2/3 = 85, * 1.5 = 127, rounded up to 32: 128).
-RECURRENT_FAMILIES = ("lfm2",)
+# its MLP width derived from block_* fields (128 * 2/3 = 85, * 1.5 = 127, rounded up to 32: 128);
+# Mamba2 layers alone (8 heads of 16, a state of 16 in 2 groups), and Granite 4.0-H's Mamba2
+# layers around an attention layer without rotary, with 4 experts beside a shared MLP and
+# Granite's multipliers; both scan in chunks of 16 positions, so prompts span several.
+RECURRENT_FAMILIES = ("lfm2", "mamba2", "granitemoehybrid")
+MAMBA = dict(conv_kernel=4, chunk_size=16)
 
 
 def recurrent_config(tf, family: str):
@@ -133,6 +137,28 @@ def recurrent_config(tf, family: str):
             full_attn_idxs=[1],
             block_multiple_of=32,
             block_ffn_dim_multiplier=1.5,
+        )
+    small = {k: COMMON[k] for k in ("vocab_size", "hidden_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    if family == "mamba2":
+        return tf.Mamba2Config(
+            **small, num_hidden_layers=2, num_heads=8, head_dim=16, expand=2, state_size=16, n_groups=2, **MAMBA
+        )
+    if family == "granitemoehybrid":
+        return tf.GraniteMoeHybridConfig(
+            **{**COMMON, "intermediate_size": 32, "num_hidden_layers": 4},
+            layer_types=["mamba", "attention", "mamba", "mamba"],
+            mamba_n_heads=8,
+            mamba_d_head=16,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=48,
+            embedding_multiplier=1.5,
+            residual_multiplier=0.5,
+            attention_multiplier=0.3,
+            logits_scaling=2.0,
         )
     raise ValueError(family)
 

@@ -57,8 +57,9 @@ def spy_on_reorders(gen: staticrt.Generator, monkeypatch) -> list[np.ndarray]:
 
 # Compiled: Llama (whose code path Mistral and Qwen2 share) and Gemma2 (softcapping, sandwich norms,
 # sliding layers); the four families' greedy compiled graphs are checked in test_oracle.py.
-# LFM2: its conv layers' state reorders with the rows, as K/V does (issue 65).
-BEAM_CASES = [(f, "eager") for f in (*FAMILIES, "lfm2")] + [("llama", "compiled"), ("gemma2", "compiled")]
+# LFM2 and Granite 4.0-H: their conv inputs and Mamba2 states reorder with the rows, as K/V does (issue 65).
+BEAM_CASES = [(f, "eager") for f in (*FAMILIES, "lfm2", "granitemoehybrid")]
+BEAM_CASES += [("llama", "compiled"), ("gemma2", "compiled")]
 
 
 @pytest.mark.parametrize(("family", "backend"), BEAM_CASES)

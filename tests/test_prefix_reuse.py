@@ -1,10 +1,11 @@
 """Prefix reuse: a row continues from the tokens its cache holds and prefills only the rest.
 
 A conversation's turns, each the whole conversation so far, give transformers' greedy tokens for
-that whole conversation while prefilling only the new turn, on all four families and LFM2's conv
-layers, the static, sliding (prompts shorter and longer than the window) and hybrid caches, eager,
-compiled (no recompile) and ONNX. A property test over random shared prefixes holds reuse against a whole
-prefill where rotating buffers have wrapped, which is where continuing can go wrong.
+that whole conversation while prefilling only the new turn, on all four families, LFM2's conv
+layers and Granite 4.0-H's Mamba2 layers, the static, sliding (prompts shorter and longer than the
+window) and hybrid caches, eager, compiled (no recompile) and ONNX. A property test over random
+shared prefixes holds reuse against a whole prefill where rotating buffers have wrapped, which is
+where continuing can go wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CASES = {
     "gemma2": ("hybrid", 128),
     "mistral-sw16": ("sliding", 64),
     "lfm2": ("static", 128),  # conv layers: their inputs' buffer of 64 slots continues as a rotating layer does
+    "granitemoehybrid": ("static", 128),  # Mamba2 layers: a state continues from where it stopped
 }
 
 
@@ -240,6 +242,7 @@ def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints):
         ("llama", "static-int8"),
         ("llama", "offloaded"),
         ("lfm2", "static"),
+        ("granitemoehybrid", "static"),
     ],
 )
 def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf_checkpoints, name, cache):
@@ -250,8 +253,9 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
     answer's last token). Every answer is a lone generate's, on static, hybrid and sliding caches
     (window 16: restored slots wrapped, and a wrapped row cannot back off to the system prompt, so
     there turn 1 keeps nothing), an int8 one (its scales restored with it) and an offloaded one
-    (host storage and device working buffers). With a pool too small for a row, turn 2 keeps no
-    more than turn 1."""
+    (host storage and device working buffers), and Granite 4.0-H's Mamba2 states (which continue
+    from where they stopped alone: turn 1 keeps nothing). With a pool too small for a row, turn 2
+    keeps no more than turn 1."""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import client, running
 
@@ -278,7 +282,7 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
             return answers, cached, httpx.get(f"{url}/metrics").text
 
     _, cached, metrics = converse(cache_ram_mb=16)
-    system = 0 if cache in ("hybrid", "sliding") else 12
+    system = 0 if cache in ("hybrid", "sliding") or name == "granitemoehybrid" else 12  # a state cannot go back
     turn_two = {c: len(firsts[c]) + 5 for c in "ABC"}
     assert cached == {**{(c, 1): system if c != "A" else 0 for c in "ABC"}, **{(c, 2): turn_two[c] for c in "ABC"}}
     assert "staticrt_prefix_pool_restores_total 3.0" in metrics

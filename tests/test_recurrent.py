@@ -1,18 +1,18 @@
-"""Recurrent state beside the KV cache (issue 65), LFM2 first: its gated short convolutions keep
-their last inputs in a rotating buffer of the cache (caches/conv_state.py) beside the attention
-layer's K/V, on a tiny checkpoint transformers saved from its own `Lfm2Config` (conv, attention,
-conv). Tokens and logits equal transformers' on eager, compiled, cudagraph's host side, pt2,
-AOTInductor and ONNX, batch 4 and 1, prompts past the conv buffer's 64 slots, 200 new tokens; a
-prompt prefilled in two steps, a conversation continued from its row (eager and ONNX) and rejected
-drafts read the conv layers' history from the cache; the buffer holds what transformers' conv
-state holds.
+"""Recurrent state beside the KV cache (issue 65), LFM2 first: its gated short convolutions keep their
+last inputs in a rotating buffer of the cache (caches/conv_state.py) beside the attention layer's
+K/V, on a tiny checkpoint transformers saved from its own `Lfm2Config` (conv, attention, conv; its
+logits test covers tests/test_mamba.py's Mamba2 checkpoints too). Tokens and logits equal
+transformers' on eager, compiled, cudagraph's host side, pt2, AOTInductor and ONNX, batch 4 and 1,
+prompts past the conv buffer's 64 slots, 200 new tokens; a prompt prefilled in two steps, a
+conversation continued from its row (eager and ONNX) and rejected drafts read the conv layers'
+history from the cache; the buffer holds what transformers' conv state holds.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import hf_greedy
+from hf_models import RECURRENT_FAMILIES, hf_greedy
 
 import staticrt
 from staticrt.backends.cudagraph import HostReplayBackend
@@ -40,18 +40,24 @@ def model(hf_checkpoints):
     return loaded
 
 
-def test_logits_equal_transformers_in_one_step_and_continued_from_a_row(hf_checkpoints, model):
-    hf = hf_checkpoints["lfm2"][1]
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_logits_equal_transformers_in_one_step_continued_and_a_token_at_a_time(hf_checkpoints, family):
+    """70 tokens in one step (Mamba2: five chunks of its scan); the same in two steps (the second
+    reads the conv layers' last inputs, and a Mamba2 layer's state, from the cache); and after 29,
+    one decode step a token (Mamba2: the recurrence), on LFM2, Mamba2 and Granite 4.0-H."""
+    model, hf = staticrt.load_model(hf_checkpoints[family][0]), hf_checkpoints[family][1]
     ids = torch.tensor([PROMPTS[1]])  # 70 tokens
     cache = build_cache(model.config, CacheSpec("static", 1, 96), torch.float32)
     with torch.no_grad():
         theirs = hf(ids).logits[0]
         whole = model(ids, torch.tensor([0]), cache, last_only=False)[0]
-        # the same prompt in two steps: the second reads the conv layers' last inputs from the cache
         model(ids[:, :29], torch.tensor([0]), cache, last_only=False)
         rest = model(ids[:, 29:], torch.tensor([29]), cache, last_only=False)[0]
+        model(ids[:, :29], torch.tensor([0]), cache)
+        steps = [model(ids[:, t : t + 1], torch.tensor([t]), cache) for t in range(29, 70)]
     torch.testing.assert_close(whole, theirs, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(rest, theirs[29:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(steps), theirs[29:], rtol=1e-4, atol=1e-4)
 
 
 def test_the_conv_buffer_holds_the_inputs_transformers_conv_state_holds(hf_checkpoints, model):

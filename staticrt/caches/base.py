@@ -10,7 +10,8 @@ get which (static.py, sliding.py, hybrid.py):
 - linear: `max_cache_len` slots, slot j holds position j (TensorScatter mode `linear`);
 - rotating: `window` slots, slot = position mod window (TensorScatter mode `circular`), as in
   mistral-inference's RotatingBufferCache. Nothing rolls or shifts; a decode step writes one slot.
-  A conv layer (LFM2) keeps its last inputs in one rotating buffer (conv_state.py).
+  A conv layer (LFM2) keeps its last inputs in one rotating buffer (conv_state.py), a Mamba2
+  layer those and its recurrent state (recurrent.py).
 
 A step starts with `begin_step` (lengths, masks: `StepMetadata`) and each layer then works through
 its `view` (view.py), which also says why a step writes before or after it reads.
@@ -19,22 +20,23 @@ its `view` (view.py), which also says why a step writes before or after it reads
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import RECURRENT_KINDS, ModelConfig
 from ..errors import CacheError, check_positions
 from . import masks
-from .conv_state import ConvView, check_conv_kind, conv_parts, conv_slots
+from .conv_state import ConvView, check_conv_kind, conv_slots
 from .ops import cache_write, write_rotating
+from .recurrent import recurrent_parts, recurrent_view
+from .row_state import CacheRows
 from .spec import CacheSpec, cache_window
 from .view import LayerView, StepMetadata
 
 
-class KVCache(nn.Module, ABC):
+class KVCache(CacheRows, nn.Module, ABC):
     """Per-layer K/V buffers `[B, H_kv, L_layer, D]` plus per-row lengths `seq_lens [B]`.
 
     Subclasses only choose which layers rotate (`rotating_layers`); masks and writes follow.
@@ -49,7 +51,7 @@ class KVCache(nn.Module, ABC):
     ) -> None:
         super().__init__()
         rotating = self.rotating_layers(config)
-        conv = [kind == "conv" for kind in config.layer_types]
+        conv = [kind in RECURRENT_KINDS for kind in config.layer_types]  # their inputs rotate (conv_state.py)
         check_conv_kind(self.kind, config)
         if spec.window is not None and not any(rotating):
             raise CacheError(
@@ -58,7 +60,7 @@ class KVCache(nn.Module, ABC):
             )
         self.config = config
         self.spec = spec
-        self.conv_layers = frozenset(i for i, c in enumerate(conv) if c)  # conv_state.py: their inputs rotate
+        self.recurrent = {i: kind for i, kind in enumerate(config.layer_types) if kind in RECURRENT_KINDS}
         self.rotating = tuple(r or c for r, c in zip(rotating, conv, strict=True))
         self.window = self.rotating_slots(config, spec) if any(rotating) else None
         slots = conv_slots(config.conv_kernel)
@@ -114,10 +116,11 @@ class KVCache(nn.Module, ABC):
         return self.decode(self.encode(key, value))
 
     def layer_parts(self, layer_idx: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """Layer `layer_idx`'s parts as `part_layout` says, or a conv layer's one (conv_state.py):
+        """Layer `layer_idx`'s parts as `part_layout` says, or a recurrent layer's (recurrent.py):
         each a buffer `{name}_{layer}` and an ONNX graph's input."""
-        if layer_idx in self.conv_layers:
-            return conv_parts(self.spec.max_batch_size, self.layer_lengths[layer_idx], self.config, self.dtype)
+        if layer_idx in self.recurrent:
+            batch, slots = self.spec.max_batch_size, self.layer_lengths[layer_idx]
+            return recurrent_parts(self.recurrent[layer_idx], batch, slots, self.config, self.dtype)
         return self.part_layout(self.layer_shape(self.layer_lengths[layer_idx]))
 
     def allocate_layer(self, layer_idx: int) -> None:
@@ -132,9 +135,9 @@ class KVCache(nn.Module, ABC):
 
     def layer_layout(self, layer_idx: int) -> str:
         """How layer `layer_idx` keeps its K/V: "static" (linear), "sliding" (rotating), "offloaded";
-        a conv layer its inputs: "conv" (conv_state.py)."""
-        if layer_idx in self.conv_layers:
-            return "conv"
+        a recurrent layer its state: "conv" or "mamba" (recurrent.py)."""
+        if layer_idx in self.recurrent:
+            return self.recurrent[layer_idx]
         return "sliding" if self.rotating[layer_idx] else "static"
 
     def layer_buffers(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,9 +146,9 @@ class KVCache(nn.Module, ABC):
 
     def step_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
         """The buffers a step writes layer `layer_idx`'s `encode`d parts into, on the cache's device
-        (a conv layer's one buffer of inputs)."""
-        if layer_idx in self.conv_layers:
-            return (getattr(self, f"conv_{layer_idx}"),)
+        (a recurrent layer's inputs, then its state)."""
+        if layer_idx in self.recurrent:
+            return tuple(getattr(self, f"{part}_{layer_idx}") for part, _, _ in self.layer_parts(layer_idx))
         return self.layer_buffers(layer_idx)
 
     def storage_buffers(self, layer_idx: int) -> tuple[torch.Tensor, ...]:
@@ -176,15 +179,15 @@ class KVCache(nn.Module, ABC):
         self, write_index: torch.Tensor, num_new: torch.Tensor, positions: torch.Tensor, fresh: bool = False
     ) -> StepMetadata:
         """The step's `StepMetadata`: one mask for each kind of layer, at `positions [B, T]`."""
-        mask_keys = {self.mask_key(i) for i in range(len(self.rotating)) if i not in self.conv_layers}
+        mask_keys = {self.mask_key(i) for i in range(len(self.rotating)) if i not in self.recurrent}
         masks = {key: self.mask(*key, positions) for key in mask_keys}
         return StepMetadata(write_index, num_new, positions, masks, fresh)
 
     def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView | ConvView:
         """Layer `layer_idx`'s view of this step, once its input `[B*T, C]` exists (an offloaded
         layer's K/V is awaited here, after the previous layer's compute)."""
-        if layer_idx in self.conv_layers:
-            return ConvView(self, layer_idx, meta)
+        if layer_idx in self.recurrent:
+            return recurrent_view(self.recurrent[layer_idx], self, layer_idx, meta)
         return LayerView(self, layer_idx, meta)
 
     def mask_key(self, layer_idx: int) -> tuple[str, bool]:
@@ -243,6 +246,10 @@ class KVCache(nn.Module, ABC):
             # token overwrites it; `check_step` keeps the write inside the buffer.
             cache_write(buf, new, write_index)
 
+    def write_state(self, layer_idx: int, buf: torch.Tensor, state: torch.Tensor) -> None:
+        """Keep a Mamba2 layer's state after a step `[B, H, D, N]` in its buffer, in place."""
+        buf.copy_(state.to(buf.dtype))
+
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
         """Tokens seen per row, `[B]` int64 (a tensor: the graph never specialises on it)."""
         return self.seq_lens
@@ -250,37 +257,6 @@ class KVCache(nn.Module, ABC):
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         """Slots of layer `layer_idx`: `window` for rotating layers, else `max_cache_len`."""
         return self.layer_lengths[layer_idx]
-
-    def state_buffers(self) -> list[torch.Tensor]:
-        """Every buffer the cache holds: K/V storage (and working buffers, where there are any) and the lengths."""
-        return list(self.buffers())
-
-    @contextmanager
-    def kept(self) -> Iterator[None]:
-        """Run the block, then put every state buffer back as it was, in place (addresses stay valid
-        for captured graphs): for steps run only for what they build, a warm-up, a capture, a timing."""
-        held = [buf.clone() for buf in self.state_buffers()]
-        yield
-        with torch.no_grad():
-            for buf, value in zip(self.state_buffers(), held, strict=True):
-                buf.copy_(value)
-
-    def reset(self) -> None:
-        """Zero the state in place; addresses stay valid for captured graphs."""
-        for buf in self.state_buffers():
-            buf.zero_()
-
-    def copy_row(self, source: KVCache, source_row: int, row: int) -> None:
-        """Row `row` of every buffer takes `source`'s row `source_row` (a cache of the same layout,
-        any batch size; every buffer is batch-first), in place: captured graphs stay valid."""
-        theirs = dict(source.named_buffers())
-        for name, buf in self.named_buffers():
-            buf[row].copy_(theirs[name][source_row])
-
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        """Permute rows in place (beam search): row b takes the contents of row `beam_idx[b]`."""
-        for buf in self.state_buffers():
-            buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
 
     def device_bytes(self) -> int:
         """Bytes the cache holds on its device (K/V, working buffers, lengths)."""

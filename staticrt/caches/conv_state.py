@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from ..config import ModelConfig
+from ..config import RECURRENT_KINDS, ModelConfig
 from ..errors import CacheError
 from .view import StepMetadata
 
@@ -34,12 +34,13 @@ CONV_KINDS = ("static", "sliding", "hybrid")
 
 
 def check_conv_kind(kind: str, config: ModelConfig) -> None:
-    """Refuse, before any buffer exists, a cache kind that cannot hold the model's conv layers."""
-    if "conv" in config.layer_types and kind not in CONV_KINDS:
+    """Refuse, before any buffer exists, a cache kind that cannot hold the model's conv or Mamba2 layers."""
+    layers = sorted(set(config.layer_types) & set(RECURRENT_KINDS))
+    if layers and kind not in CONV_KINDS:
         fits = [k for k in CONV_KINDS if k == "static" or "sliding_attention" in config.layer_types]
         raise CacheError(
-            f"cache {kind!r} cannot hold this {config.family} model's conv layers (their state is kept in float "
-            f"on the device); use cache={' or '.join(map(repr, fits))}"
+            f"cache {kind!r} cannot hold this {config.family} model's {layers[0]} layers (their state is kept in "
+            f"float on the device); use cache={' or '.join(map(repr, fits))}"
         )
 
 
@@ -47,9 +48,9 @@ def conv_slots(kernel: int) -> int:
     return max(CONV_SLOTS, kernel)
 
 
-def conv_parts(batch: int, slots: int, config: ModelConfig, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
-    """A conv layer's one part, `conv [B, 1, S, C]`: a rotating layer of one head as wide as the model."""
-    return [("conv", (batch, 1, slots, config.hidden_size), dtype)]
+def conv_parts(batch: int, slots: int, width: int, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    """A convolution's inputs, `conv [B, 1, S, C]`: a rotating layer of one head `width` channels wide."""
+    return [("conv", (batch, 1, slots, width), dtype)]
 
 
 class ConvCache(Protocol):
@@ -71,7 +72,7 @@ class ConvView:
         row's inputs at positions write_index - K + 1 .. write_index - 1, then the step's. Writes
         the step's real inputs: first in decode (slot P mod S never holds P - K + 1 .. P - 1), after
         reading in a longer step, whose later inputs may land on slots it reads (base.py's rule)."""
-        meta, (buf,) = self.meta, self.cache.step_buffers(self.layer_idx)  # buf [B, 1, S, C]
+        meta, buf = self.meta, self.cache.step_buffers(self.layer_idx)[0]  # buf [B, 1, S, C]
         batch, seq_len, width = inputs.shape
         new = inputs.unsqueeze(1)  # [B, 1, T, C]
         if meta.fresh:  # every row starts at 0: nothing before it but zeros

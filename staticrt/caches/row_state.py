@@ -13,7 +13,8 @@ of its 25.6 MB. Writes are in place: compiled and captured graphs keep their add
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -66,3 +67,39 @@ class RowStash(ABC):
 
     def restore_row(self, row: int, state: RowState) -> None:
         load_row(self.row_buffers(), row, state)
+
+
+class CacheRows:
+    """What a cache (base.py's KVCache, an `nn.Module`) does to its state as a whole and row by
+    row: keep it across a block, zero it, copy a row from another cache, reorder rows for beams."""
+
+    def state_buffers(self) -> list[torch.Tensor]:
+        """Every buffer the cache holds: K/V storage (and working buffers, where there are any) and the lengths."""
+        return list(self.buffers())
+
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        """Run the block, then put every state buffer back as it was, in place (addresses stay valid
+        for captured graphs): for steps run only for what they build, a warm-up, a capture, a timing."""
+        held = [buf.clone() for buf in self.state_buffers()]
+        yield
+        with torch.no_grad():
+            for buf, value in zip(self.state_buffers(), held, strict=True):
+                buf.copy_(value)
+
+    def reset(self) -> None:
+        """Zero the state in place; addresses stay valid for captured graphs."""
+        for buf in self.state_buffers():
+            buf.zero_()
+
+    def copy_row(self, source: CacheRows, source_row: int, row: int) -> None:
+        """Row `row` of every buffer takes `source`'s row `source_row` (a cache of the same layout,
+        any batch size; every buffer is batch-first), in place: captured graphs stay valid."""
+        theirs = dict(source.named_buffers())
+        for name, buf in self.named_buffers():
+            buf[row].copy_(theirs[name][source_row])
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Permute rows in place (beam search): row b takes the contents of row `beam_idx[b]`."""
+        for buf in self.state_buffers():
+            buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))

@@ -27,22 +27,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")
     rows = []
     for i, attention in enumerate(config.layer_types):
-        key = cache.storage_buffers(i)[0]
         layout = cache.layer_layout(i)
+        # K's shape (V's is the same); a recurrent layer's parts by name (caches/recurrent.py)
+        parts = cache.layer_parts(i)[: 1 if i not in cache.recurrent else None]
+        shape = ", ".join(
+            f"{'' if i not in cache.recurrent else name + ' '}{'x'.join(map(str, s))}" for name, s, _ in parts
+        )
         rows.append(
-            [
-                i,
-                attention,
-                layout,
-                "host" if layout == "offloaded" else "device",
-                "x".join(map(str, key.shape)),
-                f"{cache.layer_bytes(i):,}",
-            ]
+            [i, attention, layout, "host" if layout == "offloaded" else "device", shape, f"{cache.layer_bytes(i):,}"]
         )
     title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"
     if cache.window:
         title += f", window {cache.window}"
-    columns = ["layer", "attention", "cache", "held in", "K and V shape [B,H_kv,L,D]", "bytes"]
+    columns = ["layer", "mixer", "cache", "held in", "K, V [B,H_kv,L,D] or state", "bytes"]
     show_table(title, columns, rows, args.format)
     ours, host, full = cache.device_bytes(), cache.host_bytes(), static.device_bytes()
     console.print(

@@ -24,7 +24,8 @@ artifact has no genai_config.json; staticrt's runner binds every past by name an
 
 A conv layer (LFM2's; caches/conv_state.py) takes past_key_values.{i}.conv [B, 1, N, C] instead, its
 last inputs by position mod N, read and written by the graph as onnx_step.py's GraphConvView says;
-genai has no input for it either.
+a Mamba2 layer that too, and past_key_values.{i}.ssm [B, H, D, N], its state after the row's last
+token (GraphMambaView); genai has no input for either.
 
 Cache slots follow the attention mask's columns, as in transformers and onnxruntime-genai: this
 step's S entries go to columns T - S .. T - 1, written by the standard `TensorScatter` (opset 24)
@@ -272,8 +273,8 @@ def write_onnx(
             f"quantize the weights to {quantize.layout} (ONNX Runtime's MatMulNBits)",
             lambda: quantize_graph(path, quantize, head),
         )
-    genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales or a conv state
-    if cache.parts == KVCache.parts and not cache.conv_layers:
+    genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales or a recurrent state
+    if cache.parts == KVCache.parts and not cache.recurrent:
         (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
         genai = GENAI_CONFIG
     return {"onnx": {"graph": GRAPH, "genai_config": genai, "quantize": quantized, "fused": fused, **graph_io(path)}}

@@ -12,6 +12,7 @@ from torch import nn
 from ..caches import KVCache, LayerView, StepMetadata, masks
 from ..caches.conv_state import ConvView
 from ..caches.ops import tensor_scatter
+from ..caches.recurrent import MambaView
 from ..models.decoder import Decoder
 
 
@@ -36,7 +37,7 @@ class GraphCache(KVCache):
 
     def bind(self, past: list[torch.Tensor], inputs: StepInputs) -> None:
         """Take this step's inputs: `past` as layer 0's parts (key, value[, key_scale, value_scale];
-        a conv layer's conv), then layer 1's, ...; K and V `[B, H_kv, N_i, D]`."""
+        a recurrent layer's conv[, ssm]), then layer 1's, ...; K and V `[B, H_kv, N_i, D]`."""
         counts = [len(self.layer_parts(i)) for i in range(len(self.rotating))]
         assert len(past) == sum(counts), f"{len(past)} past tensors for {sum(counts)} parts of {len(counts)} layers"
         ends = [sum(counts[: i + 1]) for i in range(len(counts))]
@@ -55,9 +56,14 @@ class GraphCache(KVCache):
         return self.metadata(write_index, num_new, self.inputs.position_ids)
 
     def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView | ConvView:
-        if layer_idx in self.conv_layers:
-            return GraphConvView(self, layer_idx, meta)
+        if layer_idx in self.recurrent:
+            view = GraphConvView if self.recurrent[layer_idx] == "conv" else GraphMambaView
+            return view(self, layer_idx, meta)
         return super().view(layer_idx, meta, layer_input)
+
+    def write_state(self, layer_idx: int, buf: torch.Tensor, state: torch.Tensor) -> None:
+        """A Mamba2 layer's `present.{i}.ssm`: the state after the step, beside its conv inputs."""
+        self.present[layer_idx] = (self.present[layer_idx][0], state.to(buf.dtype))
 
     def writes_first(self, rotating: bool, seq_len: int) -> bool:
         """Rotating layers always attend first: one graph serves every S, decode included."""
@@ -125,7 +131,7 @@ class GraphConvView(ConvView):
 
     def inputs_with_history(self, inputs: torch.Tensor, kernel: int) -> torch.Tensor:
         cache, step = self.cache, self.cache.inputs
-        (buf,) = cache.past[self.layer_idx]  # [B, 1, N, C]
+        buf = cache.past[self.layer_idx][0]  # [B, 1, N, C]
         batch, seq_len, _ = inputs.shape
         slots = buf.shape[2]
         width = device_size(inputs, 1) + kernel - 1  # K - 1 + S, counted on the device
@@ -141,8 +147,26 @@ class GraphConvView(ConvView):
         dropped = torch.sym_max(seq_len - slots, 0)
         first = positions[:, kernel - 1] + (device_size(inputs, 1) - slots).clamp(min=0)  # [B]
         present = tensor_scatter(buf, new[:, dropped:].unsqueeze(1), torch.remainder(first, slots), True, window)
-        cache.present[self.layer_idx] = (present,)
+        cache.present[self.layer_idx] = (present, *cache.past[self.layer_idx][1:])  # a Mamba2 layer's state: later
         return window
+
+
+class GraphMambaView(GraphConvView, MambaView):
+    """A Mamba2 layer in the graph: its convolution's inputs as a conv layer's (`GraphConvView`), its
+    state `past_key_values.{i}.ssm [B, H, D, N]` in and `present.{i}.ssm` out. The holes of a
+    left-padded row are no tokens: they get dt 0, so the state passes them unchanged, and one graph
+    serves every S, one position included, through the scan over S as one chunk (mamba2.py says why)."""
+
+    def real_tokens(self) -> torch.Tensor:
+        step = self.cache.inputs
+        columns = step.write_index[:, None] + torch.arange(self.meta.seq_len, device=step.attention_mask.device)
+        return step.attention_mask.gather(1, columns) > 0  # [B, S]
+
+    def one_position(self) -> bool:
+        return False
+
+    def in_one_chunk(self) -> bool:
+        return True
 
 
 def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:

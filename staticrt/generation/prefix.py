@@ -15,7 +15,10 @@ is exact depends on the row's layers (masks.py computes every mask from position
   H - P <= L - window. Worked, L = window = 4, H = 6: slots 0..3 hold 4, 5, 6 (scribbled), 3.
   From P = 6, slot 2 reads as 2, and 6 - 2 = 4 is not < 4: hidden, exact. From P = 5 it is
   seen (5 - 2 = 3 < 4): not exact. A buffer of window + k slots may back off k positions; a
-  layer that attends to every slot it holds (a sink layer) only while it has not wrapped.
+  layer that attends to every slot it holds (a sink layer) only while it has not wrapped;
+- a recurrent state (a Mamba2 layer's, caches/recurrent.py) holds the row after every position it
+  fed and cannot go back: it continues from H alone. It is the layout (0, 0), for which the rule
+  above reads H - P <= 0.
 
 Imports no torch: the loop and the scheduler use it with every backend.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 Layouts = tuple[tuple[int, int | None], ...]  # each rotating layer: (slots, window; None: sees every slot)
+RECURRENT = (0, 0)  # a recurrent state: continues only from where it stopped
 
 
 def rotating_layouts(
@@ -35,13 +39,16 @@ def rotating_layouts(
     conv_kernel: int = 0,
 ) -> Layouts:
     """The distinct rotating layers of a cache, from the layouts it reports (`KVCache.layer_layout`:
-    "static", "offloaded", "sliding", "sink", "conv", as an artifact's manifest records them), its
-    layers' slots and the model's attention kinds. A conv layer reads its last `conv_kernel`
-    inputs: a window of that many (caches/conv_state.py)."""
+    "static", "offloaded", "sliding", "sink", "conv", "mamba", as an artifact's manifest records
+    them), its layers' slots and the model's attention kinds. A conv layer reads its last
+    `conv_kernel` inputs: a window of that many (caches/conv_state.py); a Mamba2 layer too, and
+    it keeps a recurrent state."""
     found = set()
     for layout, slots, attention in zip(layers, layer_lengths, layer_types, strict=True):
-        if layout == "conv":
+        if layout in ("conv", "mamba"):
             found.add((int(slots), conv_kernel))
+            if layout == "mamba":
+                found.add(RECURRENT)
         elif layout in ("sliding", "sink"):
             found.add(
                 (int(slots), sliding_window if layout == "sliding" and attention == "sliding_attention" else None)
@@ -77,7 +84,10 @@ def draft_room(position: int, k: int, rotating: Layouts) -> int:
     """Drafted tokens (at most `k`) a row may feed after its next token at `position` in one
     verify step (speculative.py), so that it continues exactly after any rejection: writing
     `position + d`, the row may resume from `position + 1`. Linear layers allow any d; a buffer
-    of `window` slots, once wrapped, allows 1 (its first draft only), one of `window + j`, j + 1."""
+    of `window` slots, once wrapped, allows 1 (its first draft only), one of `window + j`, j + 1;
+    a recurrent state none (it would hold every draft, the rejected ones too)."""
+    if RECURRENT in rotating:
+        return 0
     return next((d for d in range(k, 0, -1) if continues(position + d, position + 1, rotating)), 0)
 
 

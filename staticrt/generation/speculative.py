@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GenerationError
-from .prefix import kept_prefix
+from .prefix import RECURRENT, kept_prefix
 
 DEFAULT_DRAFT = 4  # tokens drafted a step: the verify graph is 5 wide (a measured choice: docs/measurements.md)
 
@@ -175,6 +175,7 @@ def check_drafter(backend: Any, drafter: Any, n_rows: int) -> None:
     """Refuse, by name, a draft model's backend that cannot mirror the generation's rows."""
     if drafter is backend:
         raise GenerationError("the draft Generator is the Generator that verifies; build a second one for the draft")
+    refuse_recurrent_state(drafter, "the draft model")
     if drafter.vocab_size != backend.vocab_size:
         raise GenerationError(
             f"the draft model's vocabulary has {drafter.vocab_size} tokens, the model's {backend.vocab_size}; "
@@ -204,3 +205,14 @@ def check_verifies(backend: Any) -> None:
         )
     if getattr(backend, "verify_refusal", None):
         raise GenerationError(backend.verify_refusal)
+    refuse_recurrent_state(backend, "this model")
+
+
+def refuse_recurrent_state(backend: Any, whose: str) -> None:
+    """Refuse speculation with a model whose layers keep a recurrent state (Mamba2: caches/recurrent.py):
+    a verify step feeds it every draft, and the state cannot go back past the rejected ones."""
+    if RECURRENT in getattr(backend, "rotating_layouts", ()):
+        raise GenerationError(
+            f"{whose}'s Mamba2 layers keep a recurrent state, which a verify step would advance past its rejected "
+            "drafts (it cannot go back); run it without speculation (drop --speculative; speculative=None)"
+        )

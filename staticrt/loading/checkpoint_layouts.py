@@ -83,7 +83,7 @@ _LFM2_NAMES = {
 def _renamer(layer_names: dict[str, str], whole: dict[str, str]) -> Callable[[str], str]:
     """One tensor name -> another: a layer's `layers.N.PART.x` by `layer_names` (PART -> part), a
     model-wide tensor by `whole`, any other as it is."""
-    pattern = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, layer_names))})(\.\w+)")
+    pattern = re.compile(rf"(layers\.\d+\.)({'|'.join(map(re.escape, layer_names))})((?:\.\w+)+)")
 
     def rename(name: str) -> str:
         match = pattern.fullmatch(name)
@@ -109,3 +109,44 @@ def rename_lfm2(state: dict[str, Any], sizes: dict[str, int]) -> None:
     for name in list(state):
         if (ours := _TO_DECODER(name)) != name:
             state[ours] = state.pop(name)
+
+
+# Mamba2's names -> the decoder's: its blocks are a norm and a mixer (`mamba`, as Granite names it)
+_MAMBA2_TO_DECODER = _renamer(
+    {"norm": "input_layernorm", "mixer": "mamba"},
+    {
+        "embeddings.weight": "embed_tokens.weight",
+        "embedding.weight": "embed_tokens.weight",
+        "norm_f.weight": "norm.weight",
+    },
+)
+
+
+def rename_mamba2(state: dict[str, Any], sizes: dict[str, int]) -> None:
+    """A Mamba2 checkpoint's `backbone.*` tensors under the decoder's names, in place."""
+    for name in [n for n in state if n.startswith("backbone.")]:
+        state[_MAMBA2_TO_DECODER(name.removeprefix("backbone."))] = state.pop(name)
+
+
+def lay_out_granite_hybrid(state: dict[str, Any], sizes: dict[str, int]) -> None:
+    """Granite 4.0-H's feed-forward as the decoder holds it, in place: its experts' `input_linear
+    [E, 2I, H]` (gate rows, then up rows) and `output_linear [E, H, I]` are `mlp.experts`' own
+    layout, `router.layer` is `mlp.gate`; its `shared_mlp.input_linear [2I, H]` is split into gate
+    and up, under `shared_mlp` beside experts, as the layer's `mlp` where there are none."""
+    moe = {
+        "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
+        "block_sparse_moe.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+        "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj",
+        "block_sparse_moe.experts.down_proj": "mlp.experts.down_proj",
+        "block_sparse_moe.router.layer.weight": "mlp.gate.weight",
+        "block_sparse_moe.router.weight": "mlp.gate.weight",
+    }
+    for name in list(state):
+        layer, _, rest = name.partition(".block_sparse_moe.")
+        if rest and (ours := moe.get(f"block_sparse_moe.{rest}")):
+            state[f"{layer}.{ours}"] = state.pop(name)
+    for name in [n for n in state if n.endswith(".shared_mlp.input_linear.weight")]:
+        layer = name.removesuffix(".shared_mlp.input_linear.weight")
+        owner = f"{layer}.{'shared_mlp' if f'{layer}.mlp.gate.weight' in state else 'mlp'}"
+        state[f"{owner}.gate_proj.weight"], state[f"{owner}.up_proj.weight"] = state.pop(name).chunk(2)
+        state[f"{owner}.down_proj.weight"] = state.pop(f"{layer}.shared_mlp.output_linear.weight")

@@ -24,7 +24,11 @@ What each family is, read off transformers' modeling files (5.x):
 - gpt_oss: attention sinks and biases, windows on every other layer, yarn, and experts with
   biases, a router that softmaxes its k best logits and a clamped SwiGLU;
 - lfm2: gated short convolutions (models/short_conv.py) on the layers that do not attend, q/k
-  head norms on those that do, its MLP's width derived from `block_*` fields.
+  head norms on those that do, its MLP's width derived from `block_*` fields;
+- mamba2: Mamba2 layers alone (models/mamba2.py), each a norm and the mixer, no MLP, no rotary;
+- granitemoehybrid (Granite 4.0-H): Mamba2 layers and attention (no rotary unless
+  `position_embedding_type` is "rope"), Granite's multipliers, experts whose router softmaxes its
+  k best logits beside a shared MLP (or that MLP alone).
 """
 
 from __future__ import annotations
@@ -35,7 +39,23 @@ from typing import Any
 
 from ..config import FAMILIES
 from ..errors import ConfigError
-from .checkpoint_layouts import lay_out_gpt_oss, rename_lfm2, split_phi3, stack_experts
+from .checkpoint_layouts import (
+    lay_out_gpt_oss,
+    lay_out_granite_hybrid,
+    rename_lfm2,
+    rename_mamba2,
+    split_phi3,
+    stack_experts,
+)
+from .family_fields import (
+    gpt_oss_experts,
+    granite_experts,
+    granite_hybrid_fields,
+    lfm2_fields,
+    mamba2_fields,
+    mixtral_experts,
+    qwen_experts,
+)
 
 LayerTypes = Callable[[dict[str, Any], int], tuple[str, ...]]
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -84,56 +104,11 @@ def conv_or_full(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
     return tuple(FULL if i in full else "conv" for i in range(layers))
 
 
-def _lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """LFM2's own spellings: its conv kernel, norm epsilon, tied head, and its MLP width, which
-    transformers derives from `intermediate_size` (`block_ff_dim`) as Lfm2MLP does."""
-    width = int(cfg.get("block_ff_dim") or cfg["intermediate_size"])
-    if cfg.get("block_auto_adjust_ff_dim", True):
-        width = int(2 * width / 3)
-        if cfg.get("block_ffn_dim_multiplier") is not None:
-            multiple = int(cfg.get("block_multiple_of", 256))
-            width = int(cfg["block_ffn_dim_multiplier"] * width)
-            width = multiple * ((width + multiple - 1) // multiple)
-    return {
-        "conv_kernel": int(cfg.get("conv_L_cache", 3)),
-        "conv_bias": bool(cfg.get("conv_bias", False)),
-        "intermediate_size": width,
-        "rms_norm_eps": float(cfg.get("norm_eps", 1e-5)),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True))),
-    }
-
-
-def _experts(cfg: dict[str, Any], k: int) -> dict[str, Any]:
-    """E (under either name: transformers 5 writes num_local_experts where hub configs say
-    num_experts) and k (`k` where config.json says none)."""
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    return {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or k)}
-
-
-def _mixtral_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
-    """Mixtral: experts on every layer, softmax renormalised over the k, weights kept float32."""
-    return _experts(cfg, 2) | {"router_renormalizes": True, "router_weights_float32": True}
-
-
-def _qwen_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
-    """Qwen3-MoE and OLMoE: `norm_topk_prob`; Qwen3-MoE's experts on every `decoder_sparse_step`-th
-    layer but its `mlp_only_layers`, each `moe_intermediate_size` wide."""
-    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
-    return _experts(cfg, 8) | dict(
-        moe_intermediate_size=cfg.get("moe_intermediate_size") or 0,
-        moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
-        router_renormalizes=bool(cfg.get("norm_topk_prob", False)),
-    )
-
-
-def _gpt_oss_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
-    """gpt-oss: a softmax over the k best router logits, biases, the clamped SwiGLU."""
-    return _experts(cfg, 4) | dict(
-        router_topk_first=True,
-        moe_bias=True,
-        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-    )
+def mamba_or_full(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Mamba2 and Granite 4.0-H: `layer_types` ("mamba" or "attention", transformers 5's
+    "linear_attention" and "full_attention"), else Mamba2 layers only."""
+    given = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+    return tuple("mamba" if t in ("mamba", "linear_attention") else FULL if t == "attention" else t for t in given)
 
 
 @dataclass(frozen=True)
@@ -149,6 +124,7 @@ class Family:
     split_checkpoint: Callable[[dict[str, Any], dict[str, int]], None] | None = None
     experts: Callable[[dict[str, Any], int], dict[str, Any]] | None = None  # its MoE fields from config.json
     own_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # fields config.json spells its own way
+    defaults: dict[str, Any] = field(default_factory=dict)  # config.json fields it may lack (Mamba2: no attention)
 
 
 _GEMMA = {"norm_offset": 1.0, "scale_embeddings": True, "sandwich_norms": True}
@@ -180,29 +156,43 @@ TABLE: dict[str, Family] = {
         layer_types=every_layer,
         default_theta=1e6,
         split_checkpoint=stack_experts("block_sparse_moe", "w1", "w3", "w2"),
-        experts=_mixtral_experts,
+        experts=mixtral_experts,
     ),
     "qwen3_moe": Family(
         {"qk_norm": "head"},
         qwen_windows,
         default_theta=1e6,
         split_checkpoint=stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
-        experts=_qwen_experts,
+        experts=qwen_experts,
     ),
     "olmoe": Family(
         {"qk_norm": "width"},
         split_checkpoint=stack_experts("mlp", "gate_proj", "up_proj", "down_proj"),
-        experts=_qwen_experts,
+        experts=qwen_experts,
     ),
     "gpt_oss": Family(
         {"attention_sinks": True, "norm_weight_in_float32": True},
         every_nth_full(2),
         default_theta=150000.0,
         split_checkpoint=lay_out_gpt_oss,
-        experts=_gpt_oss_experts,
+        experts=gpt_oss_experts,
     ),
     "lfm2": Family(
-        {"qk_norm": "head"}, conv_or_full, default_theta=1e6, split_checkpoint=rename_lfm2, own_fields=_lfm2_fields
+        {"qk_norm": "head"}, conv_or_full, default_theta=1e6, split_checkpoint=rename_lfm2, own_fields=lfm2_fields
+    ),
+    "mamba2": Family(
+        {"mixer_only": True},
+        mamba_or_full,
+        split_checkpoint=rename_mamba2,
+        own_fields=mamba2_fields,
+        defaults={"num_attention_heads": 1, "intermediate_size": 1},  # placeholders: no layer attends or has an MLP
+    ),
+    "granitemoehybrid": Family(
+        layer_types=mamba_or_full,
+        granite=True,
+        split_checkpoint=lay_out_granite_hybrid,
+        experts=granite_experts,
+        own_fields=granite_hybrid_fields,
     ),
 }
 assert tuple(TABLE) == FAMILIES, "a row for each family ModelConfig accepts"

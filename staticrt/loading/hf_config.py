@@ -105,6 +105,7 @@ def config_from_hf(cfg: dict[str, Any], source: str = "config.json") -> ModelCon
 
 def _config_from_hf(name: str, cfg: dict[str, Any]) -> ModelConfig:
     family = TABLE[name]
+    cfg = {**family.defaults, **cfg}
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError(
             "use_bidirectional_attention is set: this is an encoder (an embedding model), not a decoder "
@@ -245,7 +246,7 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         cfg["no_rope_layers"] = [int(i not in c.nope_layers) for i in range(c.num_layers)]
     if c.num_experts:
         cfg.update(_experts_to_hf(c))
-    if c.family == "lfm2":  # its own spellings (families.py's _lfm2_fields), the MLP width as it is
+    if c.family == "lfm2":  # its own spellings (family_fields.py's lfm2_fields), the MLP width as it is
         cfg.update(
             layer_types=list(c.layer_types),
             conv_L_cache=c.conv_kernel,

@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..rope import RopeStep, inverse_frequencies, rope_step
 from .attention import Attention
 from .feed_forward import MLP
+from .mamba2 import Mamba2
 from .moe import SparseMoE
 from .norms import RMSNorm
 from .short_conv import ShortConv
@@ -34,12 +35,20 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset, c.norm_weight_in_float32)  # noqa: E731
-        # the token mixer: attention, or a gated short convolution on LFM2's "conv" layers
-        if c.layer_types[layer_idx] == "conv":
+        # the token mixer: attention, a gated short convolution on LFM2's "conv" layers, or Mamba2
+        kind = c.layer_types[layer_idx]
+        if kind == "conv":
             self.conv = ShortConv(config)
+        elif kind == "mamba":
+            self.mamba = Mamba2(config)
         else:
             self.self_attn = Attention(config, layer_idx)
-        self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)
+        self.mixer_name = kind if kind in ("conv", "mamba") else "self_attn"
+        self.mixer_only = c.mixer_only  # Mamba2's blocks: a norm and the mixer
+        if not self.mixer_only:
+            self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)
+        if c.shared_expert and layer_idx in config.moe_layers:  # Granite 4.0-H: a dense MLP beside the experts
+            self.shared_mlp = MLP(config)
         # Llama norms the attention's and the MLP's inputs ("pre"; its pre-MLP norm is called
         # `post_attention_layernorm`). Gemma also norms their outputs ("sandwich": that name is its
         # norm on the attention output, beside pre/post-feedforward norms); OLMo 2 norms the
@@ -47,7 +56,8 @@ class DecoderLayer(nn.Module):
         self.placement = "post" if c.post_norms else "sandwich" if c.sandwich_norms else "pre"
         if self.placement != "post":
             self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()
+        if not self.mixer_only:
+            self.post_attention_layernorm = norm()
         if self.placement == "sandwich":
             self.pre_feedforward_layernorm = norm()
         if self.placement != "pre":
@@ -56,14 +66,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeStep | None, view: LayerView) -> torch.Tensor:
         """`x [B*T, C]` -> `[B*T, C]`."""
-        mixer = self.conv if hasattr(self, "conv") else self.self_attn
+        mixer = getattr(self, self.mixer_name)
         if self.placement == "pre":
             x = self._add(x, mixer(self.input_layernorm(x), rope, view))
-            return self._add(x, self.mlp(self.post_attention_layernorm(x)))
+            return x if self.mixer_only else self._add(x, self._feed_forward(self.post_attention_layernorm(x)))
         post = self.placement == "post"
         attn = mixer(x if post else self.input_layernorm(x), rope, view)
         x = self._add(x, self.post_attention_layernorm(attn))
         return self._add(x, self.post_feedforward_layernorm(self.mlp(x if post else self.pre_feedforward_layernorm(x))))
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(x)
+        return out + self.shared_mlp(x) if hasattr(self, "shared_mlp") else out
 
     def _add(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         return x + (branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier)

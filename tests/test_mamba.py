@@ -1,0 +1,151 @@
+"""Mamba2 layers (issue 65): a convolution's inputs and a recurrent state `[B, H, D, N]` kept in the
+cache (caches/recurrent.py), on tiny checkpoints transformers saved from its own `Mamba2Config`
+(Mamba2 layers alone) and `GraniteMoeHybridConfig` (Granite 4.0-H: Mamba2, attention without rotary,
+Mamba2, Mamba2; experts beside a shared MLP). Both scan in chunks of 16 positions, so the 70-token
+prompt spans five. Tokens and logits equal transformers' on eager, compiled, cudagraph's host side,
+AOTInductor and ONNX, batch 4 and 1, 200 new tokens (logits, in one step, two and a token at a time:
+test_recurrent.py); the state equals transformers' and stays bit for bit in a row that sits a step
+out; a conversation continues from its row where the state stopped, and anything shorter is
+prefilled again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import hf_greedy
+
+import staticrt
+from staticrt.backends.cudagraph import HostReplayBackend
+from staticrt.caches import CacheSpec, build_cache
+from staticrt.errors import CacheError, GenerationError
+from staticrt.exporters import export_artifact
+from staticrt.generation.generator import load_artifact
+from staticrt.generation.prefix import RECURRENT, continues, draft_room, kept_prefix
+
+FAMILIES = ("mamba2", "granitemoehybrid")
+PROMPTS = [[5, 17, 99, 3, 200, 45, 8], list(range(10, 80)), [1, 2, 3], list(range(100, 120))]
+NEW_TOKENS = 200
+OPTIONS = dict(max_cache_len=288, prefill_buckets=(16, 128))
+
+
+@pytest.fixture(scope="module")
+def models(hf_checkpoints):
+    loaded = {family: staticrt.load_model(hf_checkpoints[family][0]) for family in FAMILIES}
+    assert loaded["mamba2"].config.layer_types == ("mamba", "mamba")
+    assert loaded["granitemoehybrid"].config.layer_types == ("mamba", "full_attention", "mamba", "mamba")
+    return loaded
+
+
+def test_the_state_is_transformers_and_a_row_that_sits_a_step_out_keeps_it(hf_checkpoints, models):
+    """Row 0 prefills 70 tokens, row 1 three right-padded to 70: each state is transformers' after
+    its own prompt (padding gets dt 0). Then a step where row 1 feeds nothing (num_new 0, a
+    server's idle row) leaves its state and conv inputs bit for bit as they were."""
+    model, hf = models["granitemoehybrid"], hf_checkpoints["granitemoehybrid"][1]
+    cache = build_cache(model.config, CacheSpec("static", 2, 96), torch.float32)
+    ids = torch.tensor([PROMPTS[1], PROMPTS[2] + [0] * 67])
+    with torch.no_grad():
+        states = [hf(torch.tensor([p]), use_cache=True).past_key_values for p in PROMPTS[1:3]]
+        model(ids, torch.tensor([0, 0]), cache, num_new=torch.tensor([70, 3]))
+        assert cache.ssm_0.shape == (2, 8, 16, 16) and cache.layer_layout(0) == "mamba"
+        for row, past in enumerate(states):
+            torch.testing.assert_close(cache.ssm_2[row], past.get_recurrent_state(2, 0)[0], rtol=1e-5, atol=1e-6)
+        held = [buf[1].clone() for buf in cache.step_buffers(0)]
+        model(torch.tensor([[7] * 4, [9] * 4]), torch.tensor([70, 3]), cache, num_new=torch.tensor([4, 0]))
+    assert all(torch.equal(buf[1], kept) for buf, kept in zip(cache.step_buffers(0), held, strict=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_tokens_equal_transformers_batch_four_and_one(transformers_tokens, models, family):
+    expected = transformers_tokens(family, PROMPTS, NEW_TOKENS)
+    gen = staticrt.Generator(models[family], max_batch_size=4, **OPTIONS)
+    assert gen.generate(PROMPTS, NEW_TOKENS) == expected
+    alone = staticrt.Generator(models[family], max_batch_size=1, **OPTIONS)
+    assert alone.generate([PROMPTS[1]], NEW_TOKENS) == [expected[1]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compiled_graphs_give_transformers_tokens(transformers_tokens, models, family):
+    """The compiled step graphs write the state and conv buffers at their fixed addresses; Granite's
+    too through the CUDA-graph backend's host side replayed on the CPU."""
+    expected = transformers_tokens(family, PROMPTS, NEW_TOKENS)
+    gen = staticrt.Generator(models[family], max_batch_size=4, backend="compiled", **OPTIONS)
+    assert gen.generate(PROMPTS, NEW_TOKENS) == expected
+    if family == "granitemoehybrid":
+        replayed = staticrt.Generator(HostReplayBackend(models[family], max_batch_size=4, **OPTIONS))
+        assert replayed.generate(PROMPTS, NEW_TOKENS) == expected
+
+
+def conversation_turns(gen, hf) -> list[int]:
+    """Three turns, each the whole conversation so far; the prompt tokens the row kept each turn."""
+    conversation, kept = list(PROMPTS[0]), []
+    for user in ([7, 8, 9, 10], list(range(30, 50)), [3]):
+        conversation += user
+        answer = gen.generate([conversation], 12, reuse_prefix=True)[0]
+        assert answer == hf_greedy(hf, conversation, 12)
+        kept.append(gen.last_stats.kept[0])
+        conversation += answer
+    return kept
+
+
+def test_a_conversation_continues_where_the_state_stopped_and_a_shorter_prefix_starts_over(hf_checkpoints, models):
+    """Each turn keeps all the row fed (the conversation and the answer but its last token): the
+    state stopped there. A prompt that parts from the row earlier keeps nothing (the state cannot
+    go back) and gives transformers' tokens."""
+    hf = hf_checkpoints["granitemoehybrid"][1]
+    gen = staticrt.Generator(models["granitemoehybrid"], max_batch_size=1, **OPTIONS)
+    kept = conversation_turns(gen, hf)
+    assert kept == [0, 7 + 4 + 11, 7 + 4 + 12 + 20 + 11]
+    branch = gen.held[0][:30] + [5, 5]
+    assert gen.generate([branch], 12, reuse_prefix=True)[0] == hf_greedy(hf, branch, 12)
+    assert gen.last_stats.kept == [0]
+
+
+def test_a_recurrent_state_continues_only_from_where_it_stopped_and_takes_no_drafts():
+    """prefix.py's layout (0, 0): H - P <= 0. A row that fed 100 tokens continues from 100 alone."""
+    layouts = ((64, 4), RECURRENT)
+    assert continues(100, 100, layouts) and not continues(100, 99, layouts)
+    assert kept_prefix([1, 2, 3], [1, 2, 3, 4], layouts) == 3
+    assert kept_prefix([1, 2, 3], [1, 2, 9], layouts) == 0
+    assert kept_prefix([1, 2, 3], [1, 2, 3], layouts) == 0  # backing off one token would rewind
+    assert draft_room(50, 4, layouts) == 0 and draft_room(50, 4, ((64, 4),)) == 4
+
+
+def test_speculation_is_refused_by_name(models):
+    gen = staticrt.Generator(models["mamba2"], max_batch_size=1, **OPTIONS)
+    with pytest.raises(GenerationError) as raised:
+        gen.generate([PROMPTS[0]], 8, speculative="ngram:4")
+    assert str(raised.value) == (
+        "this model's Mamba2 layers keep a recurrent state, which a verify step would advance past its rejected "
+        "drafts (it cannot go back); run it without speculation (drop --speculative; speculative=None)"
+    )
+
+
+@pytest.mark.parametrize("kind", ["offloaded", "static-int8"])  # the sink cache refuses it first: no rotary
+def test_caches_that_cannot_hold_mamba_layers_are_refused_by_name(models, kind):
+    with pytest.raises(CacheError) as raised:
+        build_cache(models["granitemoehybrid"].config, CacheSpec(kind, 1, 64), torch.float32)
+    assert str(raised.value) == (
+        f"cache {kind!r} cannot hold this granitemoehybrid model's mamba layers (their state is kept in float on "
+        "the device); use cache='static'"
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_artifacts_run_the_mamba_layers_with_transformers_tokens(transformers_tokens, models, family, tmp_path):
+    """AOTInductor's library holds the state and conv buffers as it holds K/V. The ONNX graph takes
+    them as past/present inputs (onnx_step.py's GraphMambaView), its holes given dt 0, each step's
+    S positions scanned as one chunk: tokens equal still."""
+    expected = transformers_tokens(family, PROMPTS, NEW_TOKENS)
+    folder = export_artifact(models[family], CacheSpec("static", 4, 288), [128], tmp_path / "a", ["aoti", "onnx"])
+    for backend in ("aoti", "onnx"):
+        assert load_artifact(folder, backend).generate(PROMPTS, NEW_TOKENS) == expected, backend
+    assert not (folder / "genai_config.json").exists()
+
+
+def test_an_onnx_row_continues_its_conversation(hf_checkpoints, models, tmp_path):
+    """A batch-1 ONNX row moves back to where its kept prefix ends, which for a Mamba2 layer is
+    where its state stopped."""
+    folder = export_artifact(models["granitemoehybrid"], CacheSpec("static", 1, 160), [64], tmp_path / "o", ["onnx"])
+    kept = conversation_turns(load_artifact(folder, "onnx"), hf_checkpoints["granitemoehybrid"][1])
+    assert kept == [0, 7 + 4 + 11, 7 + 4 + 12 + 20 + 11]
