@@ -12,7 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError, as_int, as_real
+from .errors import ConfigError, as_int, check_positive
+from .rope_config import RopeConfig
 
 # transformers' model_type of each family the decoder runs (loading/families.py has a row for each)
 FAMILIES = (
@@ -45,61 +46,7 @@ RECURRENT_KINDS = ("conv", "mamba")  # the layers whose cache is a state, not K/
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
-ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 QK_NORMS = ("head", "width")  # q/k RMSNorm over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2)
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters after normalising the old (`rope_scaling`) and new
-    (`rope_parameters`) spellings of transformers' config.json; each kind's numbers as
-    transformers' modeling_rope_utils reads them, resolved once (`attention_factor` included)."""
-
-    theta: float = 10000.0
-    kind: str = "default"  # ROPE_KINDS
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0  # yarn: the frequencies between these rotation counts are blended
-    beta_slow: float = 1.0
-    truncate: bool = True
-    # longrope: divisors of each frequency, for steps within original_max_position_embeddings and past it
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn, longrope)
-    # Ministral 3: queries scaled by 1 + beta * log(1 + floor(position / original_max_position_embeddings))
-    query_scale_beta: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ROPE_KINDS:
-            raise ConfigError(
-                f"rope type {self.kind!r} is not supported; staticrt implements {', '.join(ROPE_KINDS)} "
-                "(running it as another would give wrong tokens)"
-            )
-        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
-            _check_positive(self, f"rope {name}", name)
-        as_int(self.original_max_position_embeddings, "rope original_max_position_embeddings", 1, ConfigError)
-        for name in ("short_factor", "long_factor"):
-            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
-        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise ConfigError(
-                f"rope high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
-                f"({self.low_freq_factor}): llama3 scaling blends between them; restore config.json"
-            )
-        if self.kind == "longrope" and not (self.short_factor and self.long_factor):
-            raise ConfigError("rope type longrope needs short_factor and long_factor lists; restore config.json")
-
-
-def _check_positive(owner: Any, label: str, name: str, zero: bool = False) -> None:
-    """`owner.name` a finite number > 0 (>= 0 with `zero`), or a ConfigError naming it: a zero or
-    negative rope theta, scale or norm epsilon decodes NaN logits, which run as token 0."""
-    value = as_real(getattr(owner, name), label, ConfigError)
-    if not (value >= 0 if zero else value > 0):
-        raise ConfigError(
-            f"{label} is {value}; it must be {'>= 0' if zero else '> 0'} (it would decode NaN logits): "
-            "restore config.json"
-        )
 
 
 @dataclass(frozen=True)
@@ -175,10 +122,10 @@ class ModelConfig:
             raise ConfigError(f"model family {self.family!r} is not supported; staticrt runs {', '.join(FAMILIES)}")
         for name in SIZES:
             object.__setattr__(self, name, as_int(getattr(self, name), name, 1, ConfigError))
-        _check_positive(self, "rms_norm_eps", "rms_norm_eps", zero=True)
+        check_positive(self, "rms_norm_eps", "rms_norm_eps", zero=True)
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
             if getattr(self, name) is not None:
-                _check_positive(self, name, name)
+                check_positive(self, name, name)
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"hidden_act {self.hidden_act!r} is not implemented; staticrt runs {', '.join(ACTIVATIONS)}, and "
@@ -223,9 +170,9 @@ class ModelConfig:
         if self.qk_norm not in (None, *QK_NORMS):
             raise ConfigError(f"qk_norm {self.qk_norm!r} is not one of {list(QK_NORMS)}")
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
-            _check_positive(self, name, name)
+            check_positive(self, name, name)
         if self.attention_multiplier is not None:
-            _check_positive(self, "attention_multiplier", "attention_multiplier")
+            check_positive(self, "attention_multiplier", "attention_multiplier")
         for rope in (self.rope, self.rope_local):
             if rope is not None and rope.kind == "longrope":
                 sizes = {len(rope.short_factor), len(rope.long_factor)}

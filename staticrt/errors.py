@@ -104,3 +104,14 @@ def check_positions(
                 f"row {row} writes positions {int(start)}..{int(start) + seq_len - 1}, but this {cache_kind} "
                 f"cache holds positions 0..{limit - 1} (max_cache_len={limit}); {way_out}"
             )
+
+
+def check_positive(owner: Any, label: str, name: str, zero: bool = False) -> None:
+    """`owner.name` a finite number > 0 (>= 0 with `zero`), or a ConfigError naming it: a zero or
+    negative rope theta, scale or norm epsilon decodes NaN logits, which run as token 0."""
+    value = as_real(getattr(owner, name), label, ConfigError)
+    if not (value >= 0 if zero else value > 0):
+        raise ConfigError(
+            f"{label} is {value}; it must be {'>= 0' if zero else '> 0'} (it would decode NaN logits): "
+            "restore config.json"
+        )

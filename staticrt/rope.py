@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from .config import RopeConfig
+from .rope_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int, long: bool = False) -> torch.Tensor:

@@ -21,7 +21,14 @@ FLOORS = (
     ("artifacts", "caches", "text"),
     ("",),
 )
-GROUND_FLOOR = ("staticrt", "staticrt.config", "staticrt.dtypes", "staticrt.errors", "staticrt.rope")
+GROUND_FLOOR = (
+    "staticrt",
+    "staticrt.config",
+    "staticrt.dtypes",
+    "staticrt.errors",
+    "staticrt.rope",
+    "staticrt.rope_config",
+)
 # Never import torch, directly or through what they import: an ONNX artifact deploys without it.
 TORCH_FREE = (
     "staticrt.errors",

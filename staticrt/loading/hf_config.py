@@ -8,8 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..config import ModelConfig, RopeConfig
+from ..config import ModelConfig
 from ..errors import ConfigError, as_int, read_json_object
+from ..rope_config import RopeConfig
 from .families import FULL, SLIDING, TABLE, Family, every_layer, family_of, qwen_windows
 
 

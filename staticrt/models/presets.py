@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ModelConfig, RopeConfig
+from ..config import ModelConfig
+from ..rope_config import RopeConfig
 
 
 def _tiny(family: str, **overrides: Any) -> ModelConfig:
