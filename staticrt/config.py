@@ -36,12 +36,13 @@ FAMILIES = (
     "lfm2",
     "mamba2",
     "granitemoehybrid",
+    "qwen3_5_text",
 )
 # What a layer mixes its tokens with: attention over every position or a window, a short causal
 # convolution over the last `conv_kernel` positions (LFM2; models/short_conv.py), or a Mamba2
-# state-space layer (models/mamba2.py): a convolution, then a recurrent state
-LAYER_KINDS = ("full_attention", "sliding_attention", "conv", "mamba")
-RECURRENT_KINDS = ("conv", "mamba")  # the layers whose cache is a state, not K/V (caches/conv_state.py)
+# (models/mamba2.py) or gated DeltaNet layer (models/gated_deltanet.py): a convolution, then a recurrent state
+LAYER_KINDS = ("full_attention", "sliding_attention", "conv", "mamba", "deltanet")
+RECURRENT_KINDS = ("conv", "mamba", "deltanet")  # the layers whose cache is a state, not K/V (caches/recurrent.py)
 # The MLP activations models/feed_forward.py implements, by transformers' names: silu (and its alias swish), and
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
@@ -114,6 +115,12 @@ class ModelConfig:
     mamba_chunk: int = 256
     mamba_proj_bias: bool = False
     time_step_limit: tuple[float, float] = (0.0, float("inf"))  # dt clamped in a prefill's scan, as transformers does
+    # gated DeltaNet layers (`layer_types` "deltanet", Qwen3.5): Hk key heads of Dk, Hv value heads of Dv
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    attention_output_gate: bool = False  # q_proj also gives a gate a head; the output times sigmoid(gate) (Qwen3.5)
     mixer_only: bool = False  # layers of a norm and a token mixer, no MLP (Mamba2)
     shared_expert: bool = False  # the dense MLP runs beside the experts, its output added (Granite 4.0-H)
 
@@ -152,6 +159,8 @@ class ModelConfig:
             )
         if "mamba" in self.layer_types:
             self._check_mamba()
+        if "deltanet" in self.layer_types:
+            self._check_deltanet()
         self._check_additions()
         self._check_experts()
 
@@ -189,6 +198,15 @@ class ModelConfig:
             raise ConfigError(
                 f"mamba_n_groups ({self.mamba_groups}) must divide mamba_n_heads ({self.mamba_heads}); "
                 "restore config.json"
+            )
+
+    def _check_deltanet(self) -> None:
+        for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim"):
+            as_int(getattr(self, name), name, 1, ConfigError)
+        if self.linear_value_heads % self.linear_key_heads:
+            raise ConfigError(
+                f"linear_num_key_heads ({self.linear_key_heads}) must divide linear_num_value_heads "
+                f"({self.linear_value_heads}); restore config.json"
             )
 
     def _check_experts(self) -> None:

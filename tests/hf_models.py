@@ -125,8 +125,9 @@ def new_family_config(tf, family: str):
 # its MLP width derived from block_* fields (128 * 2/3 = 85, * 1.5 = 127, rounded up to 32: 128);
 # Mamba2 layers alone (8 heads of 16, a state of 16 in 2 groups), and Granite 4.0-H's Mamba2
 # layers around an attention layer without rotary, with 4 experts beside a shared MLP and
-# Granite's multipliers; both scan in chunks of 16 positions, so prompts span several.
-RECURRENT_FAMILIES = ("lfm2", "mamba2", "granitemoehybrid")
+# Granite's multipliers; both scan in chunks of 16 positions, so prompts span several. Qwen3.5:
+# three gated DeltaNet layers (2 key heads, 4 value heads) and gated attention, chunks of 64.
+RECURRENT_FAMILIES = ("lfm2", "mamba2", "granitemoehybrid", "qwen3_5_text")
 MAMBA = dict(conv_kernel=4, chunk_size=16)
 
 
@@ -159,6 +160,16 @@ def recurrent_config(tf, family: str):
             residual_multiplier=0.5,
             attention_multiplier=0.3,
             logits_scaling=2.0,
+        )
+    if family == "qwen3_5_text":
+        return tf.Qwen3_5TextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
         )
     raise ValueError(family)
 

@@ -4,8 +4,8 @@ cache (caches/recurrent.py), on tiny checkpoints transformers saved from its own
 Mamba2, Mamba2; experts beside a shared MLP). Both scan in chunks of 16 positions, so the 70-token
 prompt spans five. Tokens and logits equal transformers' on eager, compiled, cudagraph's host side,
 AOTInductor and ONNX, batch 4 and 1, 200 new tokens (logits, in one step, two and a token at a time:
-test_recurrent.py); the state equals transformers' and stays bit for bit in a row that sits a step
-out; a conversation continues from its row where the state stopped, and anything shorter is
+test_recurrent.py, as is the state, transformers' and kept bit for bit in a row that sits a step
+out); a conversation continues from its row where the state stopped, and anything shorter is
 prefilled again.
 """
 
@@ -35,24 +35,6 @@ def models(hf_checkpoints):
     assert loaded["mamba2"].config.layer_types == ("mamba", "mamba")
     assert loaded["granitemoehybrid"].config.layer_types == ("mamba", "full_attention", "mamba", "mamba")
     return loaded
-
-
-def test_the_state_is_transformers_and_a_row_that_sits_a_step_out_keeps_it(hf_checkpoints, models):
-    """Row 0 prefills 70 tokens, row 1 three right-padded to 70: each state is transformers' after
-    its own prompt (padding gets dt 0). Then a step where row 1 feeds nothing (num_new 0, a
-    server's idle row) leaves its state and conv inputs bit for bit as they were."""
-    model, hf = models["granitemoehybrid"], hf_checkpoints["granitemoehybrid"][1]
-    cache = build_cache(model.config, CacheSpec("static", 2, 96), torch.float32)
-    ids = torch.tensor([PROMPTS[1], PROMPTS[2] + [0] * 67])
-    with torch.no_grad():
-        states = [hf(torch.tensor([p]), use_cache=True).past_key_values for p in PROMPTS[1:3]]
-        model(ids, torch.tensor([0, 0]), cache, num_new=torch.tensor([70, 3]))
-        assert cache.ssm_0.shape == (2, 8, 16, 16) and cache.layer_layout(0) == "mamba"
-        for row, past in enumerate(states):
-            torch.testing.assert_close(cache.ssm_2[row], past.get_recurrent_state(2, 0)[0], rtol=1e-5, atol=1e-6)
-        held = [buf[1].clone() for buf in cache.step_buffers(0)]
-        model(torch.tensor([[7] * 4, [9] * 4]), torch.tensor([70, 3]), cache, num_new=torch.tensor([4, 0]))
-    assert all(torch.equal(buf[1], kept) for buf, kept in zip(cache.step_buffers(0), held, strict=True))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -116,8 +98,8 @@ def test_speculation_is_refused_by_name(models):
     with pytest.raises(GenerationError) as raised:
         gen.generate([PROMPTS[0]], 8, speculative="ngram:4")
     assert str(raised.value) == (
-        "this model's Mamba2 layers keep a recurrent state, which a verify step would advance past its rejected "
-        "drafts (it cannot go back); run it without speculation (drop --speculative; speculative=None)"
+        "this model's Mamba2 or DeltaNet layers keep a recurrent state, which a verify step would advance past its "
+        "rejected drafts (it cannot go back); run it without speculation (drop --speculative; speculative=None)"
     )
 
 
@@ -134,7 +116,7 @@ def test_caches_that_cannot_hold_mamba_layers_are_refused_by_name(models, kind):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_artifacts_run_the_mamba_layers_with_transformers_tokens(transformers_tokens, models, family, tmp_path):
     """AOTInductor's library holds the state and conv buffers as it holds K/V. The ONNX graph takes
-    them as past/present inputs (onnx_step.py's GraphMambaView), its holes given dt 0, each step's
+    them as past/present inputs (onnx_step.py's GraphStateView), its holes given dt 0, each step's
     S positions scanned as one chunk: tokens equal still."""
     expected = transformers_tokens(family, PROMPTS, NEW_TOKENS)
     folder = export_artifact(models[family], CacheSpec("static", 4, 288), [128], tmp_path / "a", ["aoti", "onnx"])

@@ -60,6 +60,38 @@ def test_logits_equal_transformers_in_one_step_continued_and_a_token_at_a_time(h
     torch.testing.assert_close(torch.cat(steps), theirs[29:], rtol=1e-4, atol=1e-4)
 
 
+# family -> (a recurrent layer, its state's part, a prompt over several chunks, tolerance): Mamba2's
+# chunks are 16 positions, DeltaNet's 64 (its triangular solve rounds further from transformers')
+STATES = {
+    "granitemoehybrid": (2, "ssm", list(range(10, 80)), 1e-5),
+    "qwen3_5_text": (1, "state", list(range(10, 80)) + list(range(3, 90)), 1e-4),
+}
+
+
+@pytest.mark.parametrize("family", STATES)
+def test_the_state_is_transformers_and_a_row_that_sits_a_step_out_keeps_it(hf_checkpoints, family):
+    """Row 0 prefills a prompt over several chunks, row 1 three tokens right-padded to its length:
+    each state is transformers' after its own prompt (padding gets dt 0, or beta and g 0). Then a
+    step where row 1 feeds nothing (num_new 0, a server's idle row) leaves its state and conv
+    inputs bit for bit as they were."""
+    layer, part, prompt, tolerance = STATES[family]
+    model, hf = staticrt.load_model(hf_checkpoints[family][0]), hf_checkpoints[family][1]
+    cache = build_cache(model.config, CacheSpec("static", 2, 256), torch.float32)
+    ids = torch.tensor([prompt, [1, 2, 3] + [0] * (len(prompt) - 3)])
+    with torch.no_grad():
+        states = [hf(torch.tensor([p]), use_cache=True).past_key_values for p in (prompt, [1, 2, 3])]
+        model(ids, torch.tensor([0, 0]), cache, num_new=torch.tensor([len(prompt), 3]))
+        assert cache.layer_layout(layer) == model.config.layer_types[layer]
+        for row, past in enumerate(states):
+            theirs = past.get_recurrent_state(layer, 0)[0]
+            torch.testing.assert_close(
+                getattr(cache, f"{part}_{layer}")[row], theirs, rtol=tolerance, atol=tolerance / 10
+            )
+        held = [buf[1].clone() for buf in cache.step_buffers(layer)]
+        model(torch.tensor([[7] * 4, [9] * 4]), torch.tensor([len(prompt), 3]), cache, num_new=torch.tensor([4, 0]))
+    assert all(torch.equal(buf[1], kept) for buf, kept in zip(cache.step_buffers(layer), held, strict=True))
+
+
 def test_the_conv_buffer_holds_the_inputs_transformers_conv_state_holds(hf_checkpoints, model):
     """Row 0 prefills 70 tokens; row 1 three, right-padded to 70, whose padding writes nothing."""
     hf = hf_checkpoints["lfm2"][1]

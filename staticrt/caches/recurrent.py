@@ -1,6 +1,7 @@
-"""The layers whose cache is a state rather than K/V: LFM2's conv layers (conv_state.py) and
-Mamba2 layers (models/mamba2.py), which keep their convolution's inputs the same way plus a
-recurrent state `ssm_{layer}` `[B, H, D, N]`, written in place at a fixed address.
+"""The layers whose cache is a state rather than K/V: LFM2's conv layers (conv_state.py), and
+Mamba2 (models/mamba2.py) and gated DeltaNet layers (models/gated_deltanet.py), which keep their
+convolution's inputs the same way plus a recurrent state, written in place at a fixed address:
+Mamba2's `ssm_{layer}` `[B, H, D, N]`, DeltaNet's `state_{layer}` `[B, Hv, Dk, Dv]`.
 
 A recurrent state is the state after every position the row has fed, and cannot go back: a row
 continues exactly only from where it stopped (prefix.py's layout (0, 0)): a conversation's next
@@ -30,22 +31,32 @@ def mamba_conv_width(config: ModelConfig) -> int:
     return c.mamba_heads * c.mamba_head_dim + 2 * c.mamba_groups * c.mamba_state
 
 
+def deltanet_conv_width(config: ModelConfig) -> int:
+    """The channels a gated DeltaNet layer's convolution runs over: q and k (Hk * Dk each), then v (Hv * Dv)."""
+    c = config
+    return 2 * c.linear_key_heads * c.linear_key_dim + c.linear_value_heads * c.linear_value_dim
+
+
 def recurrent_parts(kind: str, batch: int, slots: int, config: ModelConfig, dtype: torch.dtype) -> Parts:
     """A recurrent layer's parts (name, shape, dtype): a conv layer's `conv [B, 1, S, C]`; a
-    Mamba2 layer's `conv [B, 1, S, conv width]` and `ssm [B, H, D, N]`."""
-    if kind == "conv":
-        return conv_parts(batch, slots, config.hidden_size, dtype)
+    Mamba2 layer's `conv [B, 1, S, conv width]` and `ssm [B, H, D, N]`; a gated DeltaNet layer's
+    `conv [B, 1, S, conv width]` and `state [B, Hv, Dk, Dv]`."""
     c = config
-    state = (batch, c.mamba_heads, c.mamba_head_dim, c.mamba_state)
-    return [*conv_parts(batch, slots, mamba_conv_width(c), dtype), ("ssm", state, dtype)]
+    if kind == "conv":
+        return conv_parts(batch, slots, c.hidden_size, dtype)
+    if kind == "mamba":
+        state = (batch, c.mamba_heads, c.mamba_head_dim, c.mamba_state)
+        return [*conv_parts(batch, slots, mamba_conv_width(c), dtype), ("ssm", state, dtype)]
+    state = (batch, c.linear_value_heads, c.linear_key_dim, c.linear_value_dim)
+    return [*conv_parts(batch, slots, deltanet_conv_width(c), dtype), ("state", state, dtype)]
 
 
 class StateCache(ConvCache, Protocol):
     def write_state(self, layer_idx: int, buf: torch.Tensor, state: torch.Tensor) -> None: ...
 
 
-class MambaView(ConvView):
-    """One Mamba2 layer's cache in one step: its convolution's history (`ConvView`) and its state."""
+class StateView(ConvView):
+    """One Mamba2 or DeltaNet layer's cache in one step: its convolution's history (`ConvView`) and its state."""
 
     def real_tokens(self) -> torch.Tensor:
         """`[B, T]` bool: the step's real tokens (each row's first num_new; the rest is padding)."""
@@ -61,16 +72,17 @@ class MambaView(ConvView):
         return False
 
     def state(self) -> torch.Tensor:
-        """The state each row continues from, `[B, H, D, N]`: zeros for a row at position 0."""
+        """The state each row continues from (`[B, H, D, N]`; DeltaNet's `[B, Hv, Dk, Dv]`): zeros for
+        a row at position 0."""
         meta, buf = self.meta, self.cache.step_buffers(self.layer_idx)[1]
         if meta.fresh:
             return torch.zeros_like(buf)
         return torch.where((meta.write_index == 0)[:, None, None, None], torch.zeros((), dtype=buf.dtype), buf)
 
     def keep_state(self, state: torch.Tensor) -> None:
-        """Keep the state after the step's last real token `[B, H, D, N]`, in place."""
+        """Keep the state after the step's last real token, in place."""
         self.cache.write_state(self.layer_idx, self.cache.step_buffers(self.layer_idx)[1], state)
 
 
 def recurrent_view(kind: str, cache: StateCache, layer_idx: int, meta: StepMetadata) -> ConvView:
-    return ConvView(cache, layer_idx, meta) if kind == "conv" else MambaView(cache, layer_idx, meta)
+    return ConvView(cache, layer_idx, meta) if kind == "conv" else StateView(cache, layer_idx, meta)

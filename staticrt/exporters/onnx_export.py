@@ -25,7 +25,7 @@ artifact has no genai_config.json; staticrt's runner binds every past by name an
 A conv layer (LFM2's; caches/conv_state.py) takes past_key_values.{i}.conv [B, 1, N, C] instead, its
 last inputs by position mod N, read and written by the graph as onnx_step.py's GraphConvView says;
 a Mamba2 layer that too, and past_key_values.{i}.ssm [B, H, D, N], its state after the row's last
-token (GraphMambaView); genai has no input for either.
+token (GraphStateView); genai has no input for either.
 
 Cache slots follow the attention mask's columns, as in transformers and onnxruntime-genai: this
 step's S entries go to columns T - S .. T - 1, written by the standard `TensorScatter` (opset 24)
@@ -76,7 +76,14 @@ GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a ro
 def check_onnx_cache(cache: KVCache) -> None:
     """Refuse a rotating layout onnxruntime-genai would allocate differently: it gives a sliding
     layer `window_size + cache_slack` slots and reads a cache_slack of 0 as its default (16), so
-    the rotating layers need at least one slot more than the model's window."""
+    the rotating layers need at least one slot more than the model's window. Refuse gated DeltaNet
+    layers: their chunked form solves a triangular system (torch.linalg.solve_triangular), which
+    has no ONNX translation, over chunks whose count the graph's symbolic S would set."""
+    if "deltanet" in cache.config.layer_types:
+        raise ArtifactError(
+            f"this {cache.config.family} model's gated DeltaNet layers do not export to ONNX yet (their chunked "
+            "form solves a triangular system ONNX has no op for); export it with --format aoti or pt2"
+        )
     if cache.window is not None and cache.window <= cache.config.sliding_window:
         raise ArtifactError(
             f"window is {cache.window}, the model's sliding_window; onnxruntime-genai allocates sliding layers "

@@ -12,7 +12,7 @@ from torch import nn
 from ..caches import KVCache, LayerView, StepMetadata, masks
 from ..caches.conv_state import ConvView
 from ..caches.ops import tensor_scatter
-from ..caches.recurrent import MambaView
+from ..caches.recurrent import StateView
 from ..models.decoder import Decoder
 
 
@@ -57,7 +57,7 @@ class GraphCache(KVCache):
 
     def view(self, layer_idx: int, meta: StepMetadata, layer_input: torch.Tensor) -> LayerView | ConvView:
         if layer_idx in self.recurrent:
-            view = GraphConvView if self.recurrent[layer_idx] == "conv" else GraphMambaView
+            view = GraphConvView if self.recurrent[layer_idx] == "conv" else GraphStateView
             return view(self, layer_idx, meta)
         return super().view(layer_idx, meta, layer_input)
 
@@ -151,7 +151,7 @@ class GraphConvView(ConvView):
         return window
 
 
-class GraphMambaView(GraphConvView, MambaView):
+class GraphStateView(GraphConvView, StateView):
     """A Mamba2 layer in the graph: its convolution's inputs as a conv layer's (`GraphConvView`), its
     state `past_key_values.{i}.ssm [B, H, D, N]` in and `present.{i}.ssm` out. The holes of a
     left-padded row are no tokens: they get dt 0, so the state passes them unchanged, and one graph

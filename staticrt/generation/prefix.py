@@ -16,7 +16,7 @@ is exact depends on the row's layers (masks.py computes every mask from position
   From P = 6, slot 2 reads as 2, and 6 - 2 = 4 is not < 4: hidden, exact. From P = 5 it is
   seen (5 - 2 = 3 < 4): not exact. A buffer of window + k slots may back off k positions; a
   layer that attends to every slot it holds (a sink layer) only while it has not wrapped;
-- a recurrent state (a Mamba2 layer's, caches/recurrent.py) holds the row after every position it
+- a recurrent state (a Mamba2 or DeltaNet layer's, caches/recurrent.py) holds the row after every position it
   fed and cannot go back: it continues from H alone. It is the layout (0, 0), for which the rule
   above reads H - P <= 0.
 
@@ -39,15 +39,15 @@ def rotating_layouts(
     conv_kernel: int = 0,
 ) -> Layouts:
     """The distinct rotating layers of a cache, from the layouts it reports (`KVCache.layer_layout`:
-    "static", "offloaded", "sliding", "sink", "conv", "mamba", as an artifact's manifest records
-    them), its layers' slots and the model's attention kinds. A conv layer reads its last
-    `conv_kernel` inputs: a window of that many (caches/conv_state.py); a Mamba2 layer too, and
-    it keeps a recurrent state."""
+    "static", "offloaded", "sliding", "sink", "conv", "mamba", "deltanet", as an artifact's
+    manifest records them), its layers' slots and the model's attention kinds. A conv layer reads
+    its last `conv_kernel` inputs: a window of that many (caches/conv_state.py); a Mamba2 or
+    DeltaNet layer too, and it keeps a recurrent state."""
     found = set()
     for layout, slots, attention in zip(layers, layer_lengths, layer_types, strict=True):
-        if layout in ("conv", "mamba"):
+        if layout in ("conv", "mamba", "deltanet"):
             found.add((int(slots), conv_kernel))
-            if layout == "mamba":
+            if layout != "conv":
                 found.add(RECURRENT)
         elif layout in ("sliding", "sink"):
             found.add(

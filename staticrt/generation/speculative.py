@@ -209,10 +209,10 @@ def check_verifies(backend: Any) -> None:
 
 
 def refuse_recurrent_state(backend: Any, whose: str) -> None:
-    """Refuse speculation with a model whose layers keep a recurrent state (Mamba2: caches/recurrent.py):
+    """Refuse speculation with a model whose layers keep a recurrent state (Mamba2, DeltaNet: caches/recurrent.py):
     a verify step feeds it every draft, and the state cannot go back past the rejected ones."""
     if RECURRENT in getattr(backend, "rotating_layouts", ()):
         raise GenerationError(
-            f"{whose}'s Mamba2 layers keep a recurrent state, which a verify step would advance past its rejected "
-            "drafts (it cannot go back); run it without speculation (drop --speculative; speculative=None)"
+            f"{whose}'s Mamba2 or DeltaNet layers keep a recurrent state, which a verify step would advance past its "
+            "rejected drafts (it cannot go back); run it without speculation (drop --speculative; speculative=None)"
         )

@@ -28,7 +28,9 @@ What each family is, read off transformers' modeling files (5.x):
 - mamba2: Mamba2 layers alone (models/mamba2.py), each a norm and the mixer, no MLP, no rotary;
 - granitemoehybrid (Granite 4.0-H): Mamba2 layers and attention (no rotary unless
   `position_embedding_type` is "rope"), Granite's multipliers, experts whose router softmaxes its
-  k best logits beside a shared MLP (or that MLP alone).
+  k best logits beside a shared MLP (or that MLP alone);
+- qwen3_5_text (Qwen3.5): gated DeltaNet layers (models/gated_deltanet.py) and, one in four,
+  attention whose output a per-head gate scales, q/k head norms, (1 + w) norms, a quarter rotary.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from .checkpoint_layouts import (
     stack_experts,
 )
 from .family_fields import (
+    deltanet_fields,
     gpt_oss_experts,
     granite_experts,
     granite_hybrid_fields,
@@ -109,6 +112,15 @@ def mamba_or_full(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
     "linear_attention" and "full_attention"), else Mamba2 layers only."""
     given = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
     return tuple("mamba" if t in ("mamba", "linear_attention") else FULL if t == "attention" else t for t in given)
+
+
+def deltanet_or_full(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Qwen3.5: `layer_types` ("linear_attention" is a gated DeltaNet layer), else attention every
+    `full_attention_interval`-th layer (4)."""
+    if cfg.get("layer_types"):
+        return tuple("deltanet" if t == "linear_attention" else t for t in cfg["layer_types"])
+    n = int(cfg.get("full_attention_interval") or 4)
+    return tuple(FULL if (i + 1) % n == 0 else "deltanet" for i in range(layers))
 
 
 @dataclass(frozen=True)
@@ -194,6 +206,12 @@ TABLE: dict[str, Family] = {
         experts=granite_experts,
         own_fields=granite_hybrid_fields,
     ),
+    "qwen3_5_text": Family(
+        {"qk_norm": "head", "norm_offset": 1.0, "attention_output_gate": True},
+        deltanet_or_full,
+        own_fields=deltanet_fields,
+        defaults={"partial_rotary_factor": 0.25},
+    ),
 }
 assert tuple(TABLE) == FAMILIES, "a row for each family ModelConfig accepts"
 
@@ -202,6 +220,7 @@ assert tuple(TABLE) == FAMILIES, "a row for each family ModelConfig accepts"
 WRAPPERS = {
     "gemma3": ("text_config", "gemma3_text", "language_model."),
     "mistral3": ("text_config", "ministral3", "language_model."),
+    "qwen3_5": ("text_config", "qwen3_5_text", "language_model."),
 }
 
 

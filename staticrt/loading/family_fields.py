@@ -77,6 +77,17 @@ def granite_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return _mamba_fields(cfg, "mamba_", _GRANITE_NAMES) | {"intermediate_size": width, "nope_layers": nope}
 
 
+def deltanet_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's gated DeltaNet layers: their heads, widths and convolution."""
+    return {
+        "linear_key_heads": int(cfg.get("linear_num_key_heads") or 16),
+        "linear_value_heads": int(cfg.get("linear_num_value_heads") or 32),
+        "linear_key_dim": int(cfg.get("linear_key_head_dim") or 128),
+        "linear_value_dim": int(cfg.get("linear_value_head_dim") or 128),
+        "conv_kernel": int(cfg.get("linear_conv_kernel_dim") or 4),
+    }
+
+
 def granite_experts(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     """Experts `intermediate_size` wide on every layer, a softmax over the k best router logits,
     the shared MLP beside them; none where num_local_experts is 0 (Granite 4.0-H Micro)."""

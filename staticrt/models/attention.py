@@ -24,7 +24,9 @@ class Attention(nn.Module):
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcapping
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = FusedLinear(c.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias)
+        self.gated = c.attention_output_gate  # Qwen3.5: q_proj gives each head's query, then its gate
+        q_width = q_size * (2 if self.gated else 1)
+        self.qkv_proj = FusedLinear(c.hidden_size, {"q_proj": q_width, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias)
         self.o_proj = nn.Linear(q_size, c.hidden_size, bias=c.attention_bias)
         # gpt-oss: a learned logit a head that joins each softmax's denominator and takes no value
         self.sinks = nn.Parameter(torch.empty(c.num_heads)) if c.attention_sinks else None
@@ -40,10 +42,12 @@ class Attention(nn.Module):
         batch, seq_len = view.meta.batch, view.meta.seq_len
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
-        q, k, v = self.qkv_proj(x)  # [B*T, H*D], [B*T, Hkv*D] twice
+        q, k, v = self.qkv_proj(x)  # [B*T, H*D] (gated: H*2D), [B*T, Hkv*D] twice
         if self.qk_norm == "width":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.view(batch, seq_len, heads, dim), k.view(batch, seq_len, kv_heads, dim)
+        if self.gated:
+            q, gate = q.view(batch, seq_len, heads, 2 * dim).chunk(2, dim=-1)  # [B, T, H, D] each
+        q, k = q.reshape(batch, seq_len, heads, dim), k.view(batch, seq_len, kv_heads, dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, Hkv, T, D]
@@ -61,6 +65,8 @@ class Attention(nn.Module):
             # the query axis, so one batched matmul per KV head reads the cache once.
             out = self.attend_apart(q.reshape(batch, kv_heads, group * seq_len, dim), k, v, view)
         out = out.view(batch, heads, seq_len, dim).transpose(1, 2).reshape(batch * seq_len, heads * dim)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(batch * seq_len, heads * dim))
         return self.o_proj(out)
 
     def attend_apart(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, view: LayerView) -> torch.Tensor:

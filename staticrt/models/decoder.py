@@ -24,6 +24,7 @@ from ..config import ModelConfig
 from ..rope import RopeStep, inverse_frequencies, rope_step
 from .attention import Attention
 from .feed_forward import MLP
+from .gated_deltanet import GatedDeltaNet
 from .mamba2 import Mamba2
 from .moe import SparseMoE
 from .norms import RMSNorm
@@ -35,15 +36,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset, c.norm_weight_in_float32)  # noqa: E731
-        # the token mixer: attention, a gated short convolution on LFM2's "conv" layers, or Mamba2
+        # the token mixer: attention, a gated short convolution on LFM2's "conv" layers, Mamba2 or gated DeltaNet
         kind = c.layer_types[layer_idx]
         if kind == "conv":
             self.conv = ShortConv(config)
         elif kind == "mamba":
             self.mamba = Mamba2(config)
+        elif kind == "deltanet":  # transformers' name for Qwen3.5's
+            self.linear_attn = GatedDeltaNet(config)
         else:
             self.self_attn = Attention(config, layer_idx)
-        self.mixer_name = kind if kind in ("conv", "mamba") else "self_attn"
+        self.mixer_name = {"conv": "conv", "mamba": "mamba", "deltanet": "linear_attn"}.get(kind, "self_attn")
         self.mixer_only = c.mixer_only  # Mamba2's blocks: a norm and the mixer
         if not self.mixer_only:
             self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)

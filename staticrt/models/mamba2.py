@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..caches.recurrent import MambaView, mamba_conv_width
+from ..caches.recurrent import StateView, mamba_conv_width
 from ..config import ModelConfig
 from ..rope import RopeStep
 
@@ -61,7 +61,7 @@ class Mamba2(nn.Module):
         self.norm = GatedRMSNorm(inner, self.groups, c.rms_norm_eps)
         self.out_proj = nn.Linear(inner, c.hidden_size, bias=c.mamba_proj_bias)
 
-    def forward(self, x: torch.Tensor, rope: RopeStep | None, view: MambaView) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeStep | None, view: StateView) -> torch.Tensor:
         """`x [B*T, C]` -> `[B*T, C]`; `rope` is unused (the signature is the attention's)."""
         batch, seq_len = view.meta.batch, view.meta.seq_len
         inner, conv_width = self.heads * self.head_dim, self.conv1d.weight.shape[0]
