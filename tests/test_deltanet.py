@@ -2,10 +2,10 @@
 state `[B, Hv, Dk, Dv]` kept in the cache (caches/recurrent.py), on a tiny checkpoint transformers
 saved from its own `Qwen3_5TextConfig`: three DeltaNet layers (2 key heads serving 4 value heads)
 and gated attention with a quarter rotary and (1 + w) norms. The chunked form works in chunks of
-64, so the 157-token prompt spans three. Tokens equal transformers' on eager, compiled and
-AOTInductor, batch 4 and 1, 200 new tokens (logits in one step, two and a token at a time:
+64, so the 157-token prompt spans three. Tokens equal transformers' on eager, compiled,
+AOTInductor and ONNX, batch 4 and 1, 200 new tokens (logits in one step, two and a token at a time:
 test_recurrent.py, as is the state, transformers' and kept bit for bit in a row that sits a step
-out); a conversation continues from where the state stopped; ONNX is refused by name.
+out); a conversation continues from where the state stopped.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from hf_models import hf_greedy
 
 import staticrt
 from staticrt.caches import CacheSpec
-from staticrt.errors import ArtifactError
 from staticrt.exporters import export_artifact
 from staticrt.generation.generator import load_artifact
 
@@ -59,16 +58,29 @@ def test_a_conversation_continues_where_the_state_stopped(hf_checkpoints, model)
     assert kept == [0, 7 + 4 + 11]
 
 
-def test_aoti_runs_the_deltanet_layers_and_onnx_is_refused_by_name(model, expected, tmp_path):
-    folder = export_artifact(model, CacheSpec("static", 4, 384), [160], tmp_path / "a", ["aoti"])
-    assert load_artifact(folder, "aoti").generate(PROMPTS, NEW_TOKENS) == expected
-    with pytest.raises(ArtifactError) as raised:
-        export_artifact(model, CacheSpec("static", 1, 64), [16], tmp_path / "o", ["onnx"])
-    assert str(raised.value) == (
-        "this qwen3_5_text model's gated DeltaNet layers do not export to ONNX yet (their chunked form solves a "
-        "triangular system ONNX has no op for); export it with --format aoti or pt2"
-    )
-    assert not (tmp_path / "o").exists()
+@pytest.mark.parametrize("size", [1, 2, 5, 64, 160])
+def test_solving_by_doubling_is_solve_triangular_for_systems_up_to_the_longest(size):
+    """The ONNX graph's solve: (I + N)^-1 as ceil(log2(384)) = 9 factors, for any L <= 384, equals
+    torch.linalg.solve_triangular's (unitriangular: the diagonal read as ones). With one factor
+    (a longest of 2), a system of 3 or more is not solved."""
+    from staticrt.models.gated_deltanet import _solve_by_doubling
+
+    gen = torch.Generator().manual_seed(size)
+    system = torch.randn(2, 3, size, size, generator=gen, dtype=torch.float64).tril() * 0.3
+    rhs = torch.randn(2, 3, size, 4, generator=gen, dtype=torch.float64)
+    exact = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    torch.testing.assert_close(_solve_by_doubling(system, rhs, 384), exact)
+    if size > 2:
+        assert not torch.allclose(_solve_by_doubling(system, rhs, 2), exact)
+
+
+def test_the_artifacts_run_the_deltanet_layers_with_transformers_tokens(model, expected, tmp_path):
+    """AOTInductor holds the state as a buffer. The ONNX graph takes it as past/present and solves
+    each step's S positions as one chunk, its triangular system by doubling (gated_deltanet.py):
+    tokens equal still."""
+    folder = export_artifact(model, CacheSpec("static", 4, 384), [160], tmp_path / "a", ["aoti", "onnx"])
+    for backend in ("aoti", "onnx"):
+        assert load_artifact(folder, backend).generate(PROMPTS, NEW_TOKENS) == expected, backend
 
 
 def test_a_qwen3_5_vision_language_checkpoint_runs_its_text_half(tmp_path):

@@ -67,9 +67,10 @@ class StateView(ConvView):
         """Whether the step runs the one-position recurrence (decode) rather than the chunked scan."""
         return self.meta.seq_len == 1
 
-    def in_one_chunk(self) -> bool:
-        """Whether the chunked scan takes the step's T positions as one chunk (models/mamba2.py)."""
-        return False
+    def in_one_chunk(self) -> int | None:
+        """None: the chunked scan chunks as transformers does; else it takes the step's T positions
+        (at most this many) as one chunk (models/mamba2.py, gated_deltanet.py: the ONNX graph's)."""
+        return None
 
     def state(self) -> torch.Tensor:
         """The state each row continues from (`[B, H, D, N]`; DeltaNet's `[B, Hv, Dk, Dv]`): zeros for

@@ -76,14 +76,7 @@ GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a ro
 def check_onnx_cache(cache: KVCache) -> None:
     """Refuse a rotating layout onnxruntime-genai would allocate differently: it gives a sliding
     layer `window_size + cache_slack` slots and reads a cache_slack of 0 as its default (16), so
-    the rotating layers need at least one slot more than the model's window. Refuse gated DeltaNet
-    layers: their chunked form solves a triangular system (torch.linalg.solve_triangular), which
-    has no ONNX translation, over chunks whose count the graph's symbolic S would set."""
-    if "deltanet" in cache.config.layer_types:
-        raise ArtifactError(
-            f"this {cache.config.family} model's gated DeltaNet layers do not export to ONNX yet (their chunked "
-            "form solves a triangular system ONNX has no op for); export it with --format aoti or pt2"
-        )
+    the rotating layers need at least one slot more than the model's window."""
     if cache.window is not None and cache.window <= cache.config.sliding_window:
         raise ArtifactError(
             f"window is {cache.window}, the model's sliding_window; onnxruntime-genai allocates sliding layers "

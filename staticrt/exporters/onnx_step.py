@@ -165,8 +165,8 @@ class GraphStateView(GraphConvView, StateView):
     def one_position(self) -> bool:
         return False
 
-    def in_one_chunk(self) -> bool:
-        return True
+    def in_one_chunk(self) -> int | None:
+        return self.cache.spec.max_cache_len  # no step writes more positions than a row holds
 
 
 def marked_columns(attention_mask: torch.Tensor) -> torch.Tensor:

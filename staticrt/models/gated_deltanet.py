@@ -17,6 +17,8 @@ passes it unchanged (caches/recurrent.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,19 @@ class GatedRMSNorm(nn.Module):
         xf = x.float()
         xf = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (xf * F.silu(z.float())).to(x.dtype)
+
+
+def _solve_by_doubling(system: torch.Tensor, rhs: torch.Tensor, longest: int) -> torch.Tensor:
+    """X with (I + N) X = rhs, N the strictly lower part of `system [..., L, L]` (its diagonal read
+    as ones, as solve_triangular's unitriangular does), for any L <= `longest`: N is nilpotent,
+    so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...(I + N^(2^(m-1))) with 2^m >= L. Worked, L = 3:
+    N^4 = 0, so m = 2 and X = (I + N^2)(I - N) rhs. m - 1 squarings of N, m products with X."""
+    n = system.tril(-1)
+    x = rhs - n @ rhs
+    for _ in range(max(1, math.ceil(math.log2(max(longest, 2)))) - 1):
+        n = n @ n
+        x = x + n @ x
+    return x
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -88,7 +103,7 @@ class GatedDeltaNet(nn.Module):
         if view.one_position():
             out, state = self._recurrent_step(view.state().float(), q / self.k_dim**0.5, k, v, g, beta)
         else:
-            out, state = self._chunked(view.state().float(), q * self.k_dim**-0.5, k, v, g, beta)
+            out, state = self._chunked(view.state().float(), q * self.k_dim**-0.5, k, v, g, beta, view.in_one_chunk())
         view.keep_state(state)
         out = out.transpose(1, 2).to(x.dtype)  # [B, T, Hv, Dv]
         out = self.norm(out, z.view(batch, seq_len, self.v_heads, self.v_dim))
@@ -109,30 +124,41 @@ class GatedDeltaNet(nn.Module):
 
     @staticmethod
     def _chunked(
-        state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+        state: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        one_chunk: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """T positions: `q`, `k` `[B, H, T, Dk]`, `v [B, H, T, Dv]`, `g`, `beta` `[B, H, T]` -> (o
         `[B, H, T, Dv]`, the state after T - 1), as transformers' chunked gated delta rule: T padded
         to chunks of L; within a chunk the delta rule's unit lower-triangular system solved at
-        once; across chunks, the state carried."""
+        once; across chunks, the state carried. `one_chunk` (the ONNX graph's, whose T is a symbol
+        no chunk count or padding can be traced over): L = T, at most that many, and the system
+        solved by `_solve_by_doubling` (ONNX has no triangular solve)."""
         seq_len = q.shape[2]
-        pad = (CHUNK - seq_len % CHUNK) % CHUNK
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
-        count = (seq_len + pad) // CHUNK
+        size = seq_len if one_chunk else CHUNK
+        pad = 0 if one_chunk else (CHUNK - seq_len % CHUNK) % CHUNK
+        if pad:
+            q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+            beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
+        count = 1 if one_chunk else (seq_len + pad) // CHUNK
         v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-        q, k, k_beta, v_beta = (
-            t.reshape(t.shape[0], t.shape[1], count, CHUNK, t.shape[-1]) for t in (q, k, k_beta, v_beta)
-        )
-        decay = g.reshape(g.shape[0], g.shape[1], count, CHUNK).cumsum(dim=-1)  # [B, H, chunks, L], log space
-        above = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+        q, k, k_beta, v_beta = (t.unflatten(2, (count, size)) for t in (q, k, k_beta, v_beta))
+        decay = g.unflatten(2, (count, size)).cumsum(dim=-1)  # [B, H, chunks, L], log space
+        above = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
         pairwise = (decay[..., :, None] - decay[..., None, :]).masked_fill(above, float("-inf")).exp()
         system = (k_beta @ k.transpose(-1, -2)) * pairwise
         within = (q @ k.transpose(-1, -2)) * pairwise  # [B, H, chunks, L, L]
-        values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-        k_decayed = torch.linalg.solve_triangular(
-            system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True
-        )
+        k_decayed = k_beta * decay.exp()[..., None]
+        if one_chunk:
+            values, k_decayed = (_solve_by_doubling(system, t, one_chunk) for t in (v_beta, k_decayed))
+        else:
+            values, k_decayed = (
+                torch.linalg.solve_triangular(system, t, upper=False, unitriangular=True) for t in (v_beta, k_decayed)
+            )
         q = q * decay.exp()[..., None]
         k = k * (decay[..., -1:] - decay).exp()[..., None]
         chunk_decay = decay[..., -1].exp()[..., None, None]

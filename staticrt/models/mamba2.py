@@ -83,7 +83,7 @@ class Mamba2(nn.Module):
             y, state = self._recurrent_step(view.state(), xs[:, 0], dt[:, 0] * real, b[:, 0], c[:, 0])
         else:
             dt = torch.clamp(dt, self.dt_limit[0], self.dt_limit[1]) * real[..., None]
-            y, state = self._chunked_scan(view.state(), xs, dt, b, c, view.in_one_chunk())
+            y, state = self._chunked_scan(view.state(), xs, dt, b, c, view.in_one_chunk() is not None)
         view.keep_state(state)
         y = self.norm(y.reshape(batch, seq_len, inner), z)  # [B, T, H*D]
         return self.out_proj(y.view(batch * seq_len, inner).to(x.dtype))
