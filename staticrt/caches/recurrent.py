@@ -78,7 +78,9 @@ class StateView(ConvView):
         meta, buf = self.meta, self.cache.step_buffers(self.layer_idx)[1]
         if meta.fresh:
             return torch.zeros_like(buf)
-        return torch.where((meta.write_index == 0)[:, None, None, None], torch.zeros((), dtype=buf.dtype), buf)
+        return torch.where(
+            (meta.write_index == 0)[:, None, None, None], torch.zeros((), dtype=buf.dtype, device=buf.device), buf
+        )
 
     def keep_state(self, state: torch.Tensor) -> None:
         """Keep the state after the step's last real token, in place."""
