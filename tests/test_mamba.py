@@ -131,3 +131,15 @@ def test_an_onnx_row_continues_its_conversation(hf_checkpoints, models, tmp_path
     folder = export_artifact(models["granitemoehybrid"], CacheSpec("static", 1, 160), [64], tmp_path / "o", ["onnx"])
     kept = conversation_turns(load_artifact(folder, "onnx"), hf_checkpoints["granitemoehybrid"][1])
     assert kept == [0, 7 + 4 + 11, 7 + 4 + 12 + 20 + 11]
+
+
+def test_the_bench_builds_transformers_granite_from_the_decoders_weights(hf_checkpoints, models):
+    """The bench's transformers contender (bench/hf.py): config_to_hf and granite_hybrid_names
+    give back the model transformers saved, experts, shared MLP and Mamba2 layers alike."""
+    from staticrt.bench.hf import hf_model_like
+
+    rebuilt, saved = hf_model_like(models["granitemoehybrid"]), hf_checkpoints["granitemoehybrid"][1]
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        # its attention is transformers' default (sdpa), the saved one eager: equal to rounding
+        torch.testing.assert_close(rebuilt(ids).logits, saved(ids).logits, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..loading.checkpoint_layouts import lfm2_names
+from ..loading.checkpoint_layouts import granite_hybrid_names, lfm2_names
 from ..loading.hf_config import config_to_hf
 from ..models.decoder import Decoder
 from .contenders import Contender
@@ -25,8 +25,9 @@ def hf_model_like(model: Decoder) -> Any:
     cfg = transformers.AutoConfig.for_model(**config_to_hf(model.config))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     ours = model.state_dict()
-    if model.config.family == "lfm2":  # the one family benched against transformers whose names differ
-        ours = lfm2_names(ours)
+    rename = {"lfm2": lfm2_names, "granitemoehybrid": granite_hybrid_names}.get(model.config.family)
+    if rename is not None:  # the families benched against transformers whose names differ
+        ours = rename(ours)
     state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}
     if model.config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]

@@ -150,3 +150,29 @@ def lay_out_granite_hybrid(state: dict[str, Any], sizes: dict[str, int]) -> None
         owner = f"{layer}.{'shared_mlp' if f'{layer}.mlp.gate.weight' in state else 'mlp'}"
         state[f"{owner}.gate_proj.weight"], state[f"{owner}.up_proj.weight"] = state.pop(name).chunk(2)
         state[f"{owner}.down_proj.weight"] = state.pop(f"{layer}.shared_mlp.output_linear.weight")
+
+
+def granite_hybrid_names(state: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's state dict under the module names of transformers' own Granite 4.0-H model
+    (`lay_out_granite_hybrid` reads those too): its inverse, for the bench's transformers
+    contender. The shared MLP (the layer's `mlp` without experts, `shared_mlp` beside them) goes
+    back to one `input_linear` of gate rows, then up rows."""
+    experts = {
+        "mlp.experts.gate_up_proj": "block_sparse_moe.experts.gate_up_proj",
+        "mlp.experts.down_proj": "block_sparse_moe.experts.down_proj",
+        "mlp.gate.weight": "block_sparse_moe.router.weight",
+    }
+    dense = re.compile(r"(layers\.\d+)\.(mlp|shared_mlp)\.(gate_proj|up_proj|down_proj)\.weight")
+    out = {}
+    for name, tensor in state.items():
+        in_layer = re.fullmatch(r"(layers\.\d+\.)(.+)", name)
+        if in_layer is not None and in_layer[2] in experts:
+            out[in_layer[1] + experts[in_layer[2]]] = tensor
+        elif (match := dense.fullmatch(name)) is None:
+            out[name] = tensor
+        elif match[3] == "gate_proj":
+            owner = f"{match[1]}.{match[2]}"
+            gate_up = torch.cat([tensor, state[f"{owner}.up_proj.weight"]])
+            out[f"{match[1]}.shared_mlp.input_linear.weight"] = gate_up
+            out[f"{match[1]}.shared_mlp.output_linear.weight"] = state[f"{owner}.down_proj.weight"]
+    return out

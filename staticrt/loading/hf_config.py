@@ -247,6 +247,22 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
         cfg["no_rope_layers"] = [int(i not in c.nope_layers) for i in range(c.num_layers)]
     if c.num_experts:
         cfg.update(_experts_to_hf(c))
+    if c.family == "granitemoehybrid":  # family_fields.py's readers, inverted
+        cfg.update(
+            layer_types=["mamba" if t == "mamba" else "attention" for t in c.layer_types],
+            shared_intermediate_size=c.intermediate_size,
+            position_embedding_type=None if c.nope_layers else "rope",
+            mamba_n_heads=c.mamba_heads,
+            mamba_d_head=c.mamba_head_dim,
+            mamba_expand=c.mamba_heads * c.mamba_head_dim // c.hidden_size,
+            mamba_d_state=c.mamba_state,
+            mamba_n_groups=c.mamba_groups,
+            mamba_chunk_size=c.mamba_chunk,
+            mamba_d_conv=c.conv_kernel,
+            mamba_conv_bias=c.conv_bias,
+            mamba_proj_bias=c.mamba_proj_bias,
+            num_local_experts=c.num_experts,
+        )
     if c.family == "lfm2":  # its own spellings (family_fields.py's lfm2_fields), the MLP width as it is
         cfg.update(
             layer_types=list(c.layer_types),
@@ -262,6 +278,8 @@ def _experts_to_hf(c: ModelConfig) -> dict[str, Any]:
     """A mixture of experts' fields in its family's names (the inverse of families.py's readers)."""
     if c.family == "mixtral":
         return {"num_local_experts": c.num_experts, "num_experts_per_tok": c.experts_per_token}
+    if c.family == "granitemoehybrid":
+        return {"num_experts_per_tok": c.experts_per_token, "intermediate_size": c.moe_intermediate_size}
     if c.family == "gpt_oss":
         return {
             "num_local_experts": c.num_experts,
