@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..loading.checkpoint_layouts import granite_hybrid_names, lfm2_names
-from ..loading.hf_config import config_to_hf
+from ..loading.config_to_hf import config_to_hf
 from ..models.decoder import Decoder
 from .contenders import Contender
 from .plan import QUANTO_CACHE

@@ -66,11 +66,8 @@ class Mamba2(nn.Module):
         batch, seq_len = view.meta.batch, view.meta.seq_len
         inner, conv_width = self.heads * self.head_dim, self.conv1d.weight.shape[0]
         # sizes spelled out, never -1: torch.export keeps T one symbol (the ONNX graph's S)
-        z, xbc, dt = (
-            self.in_proj(x)
-            .view(batch, seq_len, self.in_proj.out_features)
-            .split([inner, conv_width, self.heads], dim=-1)
-        )
+        widths = [inner, conv_width, self.heads]
+        z, xbc, dt = self.in_proj(x).view(batch, seq_len, sum(widths)).split(widths, dim=-1)
         window = view.inputs_with_history(xbc, self.kernel)  # [B, K - 1 + T, conv width]
         xbc = F.conv1d(window.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=conv_width)
         xbc = F.silu(xbc.transpose(1, 2))  # [B, T, conv width]
