@@ -28,9 +28,9 @@ from torch import nn
 from ..config import RECURRENT_KINDS, ModelConfig
 from ..errors import CacheError, check_positions
 from . import masks
-from .conv_state import ConvView, check_conv_kind, conv_slots
+from .conv_state import ConvView, conv_slots
 from .ops import cache_write, write_rotating
-from .recurrent import recurrent_parts, recurrent_view
+from .recurrent import check_recurrent_kind, recurrent_parts, recurrent_view
 from .row_state import CacheRows
 from .spec import CacheSpec, cache_window
 from .view import LayerView, StepMetadata
@@ -51,8 +51,7 @@ class KVCache(CacheRows, nn.Module, ABC):
     ) -> None:
         super().__init__()
         rotating = self.rotating_layers(config)
-        conv = [kind in RECURRENT_KINDS for kind in config.layer_types]  # their inputs rotate (conv_state.py)
-        check_conv_kind(self.kind, config)
+        check_recurrent_kind(self.kind, config)
         if spec.window is not None and not any(rotating):
             raise CacheError(
                 f"window={spec.window} has no effect on a {self.kind} cache, whose layers all hold "
@@ -61,6 +60,7 @@ class KVCache(CacheRows, nn.Module, ABC):
         self.config = config
         self.spec = spec
         self.recurrent = {i: kind for i, kind in enumerate(config.layer_types) if kind in RECURRENT_KINDS}
+        conv = [i in self.recurrent for i in range(config.num_layers)]  # their inputs rotate (conv_state.py)
         self.rotating = tuple(r or c for r, c in zip(rotating, conv, strict=True))
         self.window = self.rotating_slots(config, spec) if any(rotating) else None
         slots = conv_slots(config.conv_kernel)
@@ -135,7 +135,7 @@ class KVCache(CacheRows, nn.Module, ABC):
 
     def layer_layout(self, layer_idx: int) -> str:
         """How layer `layer_idx` keeps its K/V: "static" (linear), "sliding" (rotating), "offloaded";
-        a recurrent layer its state: "conv" or "mamba" (recurrent.py)."""
+        a recurrent layer its state: "conv", "mamba" or "deltanet" (recurrent.py)."""
         if layer_idx in self.recurrent:
             return self.recurrent[layer_idx]
         return "sliding" if self.rotating[layer_idx] else "static"
@@ -247,7 +247,7 @@ class KVCache(CacheRows, nn.Module, ABC):
             cache_write(buf, new, write_index)
 
     def write_state(self, layer_idx: int, buf: torch.Tensor, state: torch.Tensor) -> None:
-        """Keep a Mamba2 layer's state after a step `[B, H, D, N]` in its buffer, in place."""
+        """Keep a Mamba2 or DeltaNet layer's state after a step in its buffer, in place."""
         buf.copy_(state.to(buf.dtype))
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:

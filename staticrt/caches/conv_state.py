@@ -21,27 +21,11 @@ from typing import Protocol
 
 import torch
 
-from ..config import RECURRENT_KINDS, ModelConfig
-from ..errors import CacheError
 from .view import StepMetadata
 
 # Slots a conv layer keeps: K - 1 are read, the rest let a row continue from up to S - K positions
 # back (a 64-wide buffer: 61 drafts or a turn's last tokens, for 64 x C floats a row and layer).
 CONV_SLOTS = 64
-# The cache kinds that hold conv layers: those whose every layer lives on the device in float
-# (the offloaded, sink and int8 caches store attention's K/V their own way).
-CONV_KINDS = ("static", "sliding", "hybrid")
-
-
-def check_conv_kind(kind: str, config: ModelConfig) -> None:
-    """Refuse, before any buffer exists, a cache kind that cannot hold the model's conv or Mamba2 layers."""
-    layers = sorted(set(config.layer_types) & set(RECURRENT_KINDS))
-    if layers and kind not in CONV_KINDS:
-        fits = [k for k in CONV_KINDS if k == "static" or "sliding_attention" in config.layer_types]
-        raise CacheError(
-            f"cache {kind!r} cannot hold this {config.family} model's {layers[0]} layers (their state is kept in "
-            f"float on the device); use cache={' or '.join(map(repr, fits))}"
-        )
 
 
 def conv_slots(kernel: int) -> int:

@@ -18,11 +18,26 @@ from typing import Protocol
 
 import torch
 
-from ..config import ModelConfig
+from ..config import RECURRENT_KINDS, ModelConfig
+from ..errors import CacheError
 from .conv_state import ConvCache, ConvView, conv_parts
 from .view import StepMetadata
 
 Parts = list[tuple[str, tuple[int, ...], torch.dtype]]
+# The cache kinds that hold recurrent layers: those whose every layer lives on the device in float
+# (the offloaded, sink and int8 caches store attention's K/V their own way).
+STATE_KINDS = ("static", "sliding", "hybrid")
+
+
+def check_recurrent_kind(kind: str, config: ModelConfig) -> None:
+    """Refuse, before any buffer exists, a cache kind that cannot hold the model's conv, Mamba2 or DeltaNet layers."""
+    layers = sorted(set(config.layer_types) & set(RECURRENT_KINDS))
+    if layers and kind not in STATE_KINDS:
+        fits = [k for k in STATE_KINDS if k == "static" or "sliding_attention" in config.layer_types]
+        raise CacheError(
+            f"cache {kind!r} cannot hold this {config.family} model's {layers[0]} layers (their state is kept in "
+            f"float on the device); use cache={' or '.join(map(repr, fits))}"
+        )
 
 
 def mamba_conv_width(config: ModelConfig) -> int:

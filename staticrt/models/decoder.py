@@ -30,23 +30,23 @@ from .moe import SparseMoE
 from .norms import RMSNorm
 from .short_conv import ShortConv
 
+# The recurrent layer kinds' token mixers, under the names their checkpoints give them: LFM2's gated
+# short convolution, Mamba2 (Granite 4.0-H's name), gated DeltaNet (Qwen3.5's); attention otherwise.
+MIXERS: dict[str, tuple[str, type[nn.Module]]] = {
+    "conv": ("conv", ShortConv),
+    "mamba": ("mamba", Mamba2),
+    "deltanet": ("linear_attn", GatedDeltaNet),
+}
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         c = config
         norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset, c.norm_weight_in_float32)  # noqa: E731
-        # the token mixer: attention, a gated short convolution on LFM2's "conv" layers, Mamba2 or gated DeltaNet
-        kind = c.layer_types[layer_idx]
-        if kind == "conv":
-            self.conv = ShortConv(config)
-        elif kind == "mamba":
-            self.mamba = Mamba2(config)
-        elif kind == "deltanet":  # transformers' name for Qwen3.5's
-            self.linear_attn = GatedDeltaNet(config)
-        else:
-            self.self_attn = Attention(config, layer_idx)
-        self.mixer_name = {"conv": "conv", "mamba": "mamba", "deltanet": "linear_attn"}.get(kind, "self_attn")
+        # the token mixer: attention, or a recurrent layer's (MIXERS) under its checkpoint name
+        self.mixer_name, mixer = MIXERS.get(c.layer_types[layer_idx], ("self_attn", None))
+        setattr(self, self.mixer_name, Attention(config, layer_idx) if mixer is None else mixer(config))
         self.mixer_only = c.mixer_only  # Mamba2's blocks: a norm and the mixer
         if not self.mixer_only:
             self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)
@@ -76,9 +76,11 @@ class DecoderLayer(nn.Module):
         post = self.placement == "post"
         attn = mixer(x if post else self.input_layernorm(x), rope, view)
         x = self._add(x, self.post_attention_layernorm(attn))
-        return self._add(x, self.post_feedforward_layernorm(self.mlp(x if post else self.pre_feedforward_layernorm(x))))
+        ff = self._feed_forward(x if post else self.pre_feedforward_layernorm(x))
+        return self._add(x, self.post_feedforward_layernorm(ff))
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP, or the experts plus the shared MLP beside them (Granite 4.0-H)."""
         out = self.mlp(x)
         return out + self.shared_mlp(x) if hasattr(self, "shared_mlp") else out
 

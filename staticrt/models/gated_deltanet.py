@@ -27,6 +27,7 @@ from ..caches.recurrent import StateView, deltanet_conv_width
 from ..config import ModelConfig
 from ..rope import RopeStep
 from .fused_linear import FusedLinear, name_fused_parts_apart
+from .short_conv import causal_conv
 
 CHUNK = 64  # transformers' chunk_size for the gated delta rule
 
@@ -69,10 +70,9 @@ class GatedDeltaNet(nn.Module):
         c = config
         self.k_heads, self.v_heads = c.linear_key_heads, c.linear_value_heads
         self.k_dim, self.v_dim = c.linear_key_dim, c.linear_value_dim
-        self.kernel = c.conv_kernel
         width = deltanet_conv_width(c)
         # nn.Conv1d for the checkpoint's names and shapes (`conv1d.weight [C, 1, K]`); forward calls F.conv1d
-        self.conv1d = nn.Conv1d(width, width, self.kernel, groups=width, bias=False)
+        self.conv1d = nn.Conv1d(width, width, c.conv_kernel, groups=width, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
         self.A_log = nn.Parameter(torch.empty(self.v_heads))
         self.norm = GatedRMSNorm(self.v_dim, c.rms_norm_eps)
@@ -87,8 +87,7 @@ class GatedDeltaNet(nn.Module):
         batch, seq_len = view.meta.batch, view.meta.seq_len
         qkv, z, b, a = self.in_proj(x)  # [B*T, conv width], [B*T, Hv*Dv], [B*T, Hv] twice
         width, key_width = self.conv1d.weight.shape[0], self.k_heads * self.k_dim
-        window = view.inputs_with_history(qkv.view(batch, seq_len, width), self.kernel)  # [B, K - 1 + T, width]
-        qkv = F.silu(F.conv1d(window.transpose(1, 2), self.conv1d.weight, None, groups=width)).transpose(1, 2)
+        qkv = F.silu(causal_conv(view, qkv.view(batch, seq_len, width), self.conv1d))  # [B, T, width]
         q, k, v = qkv.split([key_width, key_width, self.v_heads * self.v_dim], dim=-1)
         q, k = q.reshape(batch, seq_len, self.k_heads, self.k_dim), k.reshape(batch, seq_len, self.k_heads, self.k_dim)
         v = v.reshape(batch, seq_len, self.v_heads, self.v_dim)

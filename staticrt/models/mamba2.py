@@ -25,6 +25,7 @@ from torch import nn
 from ..caches.recurrent import StateView, mamba_conv_width
 from ..config import ModelConfig
 from ..rope import RopeStep
+from .short_conv import causal_conv
 
 
 class GatedRMSNorm(nn.Module):
@@ -49,11 +50,11 @@ class Mamba2(nn.Module):
         super().__init__()
         c = config
         self.heads, self.head_dim, self.state = c.mamba_heads, c.mamba_head_dim, c.mamba_state
-        self.groups, self.chunk, self.kernel = c.mamba_groups, c.mamba_chunk, c.conv_kernel
+        self.groups, self.chunk = c.mamba_groups, c.mamba_chunk
         self.dt_limit = c.time_step_limit
         inner, conv_width = self.heads * self.head_dim, mamba_conv_width(c)
         # nn.Conv1d for the checkpoint's names and shapes (`conv1d.weight [C, 1, K]`); forward calls F.conv1d
-        self.conv1d = nn.Conv1d(conv_width, conv_width, self.kernel, groups=conv_width, bias=c.conv_bias)
+        self.conv1d = nn.Conv1d(conv_width, conv_width, c.conv_kernel, groups=conv_width, bias=c.conv_bias)
         self.in_proj = nn.Linear(c.hidden_size, inner + conv_width + self.heads, bias=c.mamba_proj_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
@@ -68,9 +69,7 @@ class Mamba2(nn.Module):
         # sizes spelled out, never -1: torch.export keeps T one symbol (the ONNX graph's S)
         widths = [inner, conv_width, self.heads]
         z, xbc, dt = self.in_proj(x).view(batch, seq_len, sum(widths)).split(widths, dim=-1)
-        window = view.inputs_with_history(xbc, self.kernel)  # [B, K - 1 + T, conv width]
-        xbc = F.conv1d(window.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, groups=conv_width)
-        xbc = F.silu(xbc.transpose(1, 2))  # [B, T, conv width]
+        xbc = F.silu(causal_conv(view, xbc, self.conv1d))  # [B, T, conv width]
         xs, b, c = xbc.split([inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt + self.dt_bias)  # [B, T, H]
         real = view.real_tokens()  # [B, T]: padding gets dt 0, which leaves the state as it was (recurrent.py)

@@ -22,9 +22,8 @@ class ShortConv(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         c, width = config, config.hidden_size
-        self.kernel = c.conv_kernel
         # nn.Conv1d for the checkpoint's names and shapes (`conv.weight [C, 1, K]`); forward calls F.conv1d
-        self.conv = nn.Conv1d(width, width, self.kernel, groups=width, bias=c.conv_bias)
+        self.conv = nn.Conv1d(width, width, c.conv_kernel, groups=width, bias=c.conv_bias)
         self.in_proj = nn.Linear(width, 3 * width, bias=c.conv_bias)
         self.out_proj = nn.Linear(width, width, bias=c.conv_bias)
 
@@ -32,10 +31,13 @@ class ShortConv(nn.Module):
         """`x [B*T, C]` -> `[B*T, C]`; `rope` is unused (the signature is the attention's)."""
         batch, seq_len = view.meta.batch, view.meta.seq_len
         b, c, inputs = self.in_proj(x).chunk(3, dim=-1)  # [B*T, C] each, in transformers' order
-        inputs = (b * inputs).view(batch, seq_len, -1)
-        window = view.inputs_with_history(inputs, self.kernel)  # [B, K - 1 + T, C]
-        # the depthwise convolution transformers' torch path runs (F.conv1d, no padding), on the
-        # inputs with their history in front: output t reads inputs t .. t + K - 1 of the window
-        out = F.conv1d(window.transpose(1, 2), self.conv.weight, self.conv.bias, groups=window.shape[-1])  # [B, C, T]
-        out = out.transpose(1, 2).reshape(batch * seq_len, -1)
-        return self.out_proj(c * out)
+        out = causal_conv(view, (b * inputs).view(batch, seq_len, -1), self.conv)  # [B, T, C]
+        return self.out_proj(c * out.reshape(batch * seq_len, -1))
+
+
+def causal_conv(view: ConvView, inputs: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+    """`inputs [B, T, C]` -> `[B, T, C]`: the depthwise convolution transformers' torch path runs
+    (F.conv1d, no padding) over the inputs with their K - 1 before them from the cache (`view`), so
+    output t reads inputs t - K + 1 .. t. LFM2's, Mamba2's and gated DeltaNet's."""
+    window = view.inputs_with_history(inputs, conv.kernel_size[0])  # [B, K - 1 + T, C]
+    return F.conv1d(window.transpose(1, 2), conv.weight, conv.bias, groups=inputs.shape[-1]).transpose(1, 2)
