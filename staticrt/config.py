@@ -36,6 +36,7 @@ FAMILIES = (
     "lfm2",
     "mamba2",
     "granitemoehybrid",
+    "falcon_h1",
     "qwen3_5_text",
 )
 # What a layer mixes its tokens with: attention over every position or a window, a short causal
@@ -47,6 +48,9 @@ RECURRENT_KINDS = ("conv", "mamba", "deltanet")  # the layers whose cache is a s
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+# A Mamba2 layer's output: RMSNorm of y * silu(z) (Mamba2, Granite), RMSNorm of y then times silu(z),
+# or y * silu(z) without a norm (Falcon-H1's mamba_rms_norm false)
+MAMBA_NORMS = ("gated", "gate_after", "none")
 QK_NORMS = ("head", "width")  # q/k RMSNorm over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2)
 
 
@@ -123,6 +127,15 @@ class ModelConfig:
     attention_output_gate: bool = False  # q_proj also gives a gate a head; the output times sigmoid(gate) (Qwen3.5)
     mixer_only: bool = False  # layers of a norm and a token mixer, no MLP (Mamba2)
     shared_expert: bool = False  # the dense MLP runs beside the experts, its output added (Granite 4.0-H)
+    # Falcon-H1: a Mamba2 beside each layer's attention, on the same normed input, outputs summed (two
+    # cache layers a layer: `cache_layers`), and its µP multipliers, neutral elsewhere
+    parallel_mamba: bool = False
+    branch_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)  # attention's input, output; Mamba2's input, output
+    key_multiplier: float = 1.0  # K times it, before the rotary
+    ssm_multipliers: tuple[float, ...] = ()  # Mamba2's in_proj parts z, x, B, C, dt times these; (): 1
+    mlp_multipliers: tuple[float, ...] = (1.0, 1.0)  # the gate's output before its activation; the MLP's output
+    logits_multiplier: float = 1.0  # logits times it (Falcon-H1's lm_head_multiplier; Granite divides)
+    mamba_norm: str = "gated"  # MAMBA_NORMS: how a Mamba2 layer's output y meets its gate z
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -145,7 +158,7 @@ class ModelConfig:
             )
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
-        if len(self.layer_types) != self.num_layers:
+        if len(self.layer_types) != self.num_layers * (2 if self.parallel_mamba else 1):
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         bad = sorted(set(self.layer_types) - set(LAYER_KINDS))
         if bad:
@@ -178,6 +191,10 @@ class ModelConfig:
             raise ConfigError(f"nope_layers {list(self.nope_layers)} names layers outside 0..{self.num_layers - 1}")
         if self.qk_norm not in (None, *QK_NORMS):
             raise ConfigError(f"qk_norm {self.qk_norm!r} is not one of {list(QK_NORMS)}")
+        if self.mamba_norm not in MAMBA_NORMS:
+            raise ConfigError(f"mamba_norm {self.mamba_norm!r} is not one of {list(MAMBA_NORMS)}")
+        if self.ssm_multipliers and len(self.ssm_multipliers) != 5:
+            raise ConfigError(f"ssm_multipliers holds {len(self.ssm_multipliers)} values (z, x, B, C, dt: 5)")
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             check_positive(self, name, name)
         if self.attention_multiplier is not None:
@@ -228,11 +245,17 @@ class ModelConfig:
             return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def cache_layers(self, layer: int) -> tuple[int, ...]:
+        """The cache layers (entries of `layer_types`) decoder layer `layer` reads: its own, or a
+        parallel layer's Mamba2 then its attention (Falcon-H1's layer 1 reads cache layers 2 and 3)."""
+        return (2 * layer, 2 * layer + 1) if self.parallel_mamba else (layer,)
+
     def layer_rope(self, layer: int) -> RopeConfig | None:
-        """The rotary embedding layer `layer` applies; None for a layer without one."""
-        if layer in self.nope_layers or self.layer_types[layer] in RECURRENT_KINDS:
+        """The rotary embedding decoder layer `layer` applies; None for a layer without one."""
+        kind = self.layer_types[self.cache_layers(layer)[-1]]
+        if layer in self.nope_layers or kind in RECURRENT_KINDS:
             return None
-        if self.rope_local is not None and self.layer_types[layer] == "sliding_attention":
+        if self.rope_local is not None and kind == "sliding_attention":
             return self.rope_local
         return self.rope
 
@@ -259,6 +282,14 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data.get("rope", {}))
         if data.get("rope_local") is not None:
             data["rope_local"] = RopeConfig(**data["rope_local"])
-        for name in ("layer_types", "eos_token_ids", "nope_layers", "moe_layers"):
+        for name in (
+            "layer_types",
+            "eos_token_ids",
+            "nope_layers",
+            "moe_layers",
+            "branch_multipliers",
+            "ssm_multipliers",
+            "mlp_multipliers",
+        ):
             data[name] = tuple(data.get(name, ()))
         return cls(**data)

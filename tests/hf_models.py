@@ -127,7 +127,10 @@ def new_family_config(tf, family: str):
 # layers around an attention layer without rotary, with 4 experts beside a shared MLP and
 # Granite's multipliers; both scan in chunks of 16 positions, so prompts span several. Qwen3.5:
 # three gated DeltaNet layers (2 key heads, 4 value heads) and gated attention, chunks of 64.
-RECURRENT_FAMILIES = ("lfm2", "mamba2", "granitemoehybrid", "qwen3_5_text")
+# Falcon-H1: a Mamba2 (8 heads of 16, mamba_d_ssm 128, 2 groups) beside the attention in each of 3
+# layers, every µP multiplier away from 1, the Mamba2 output normed before its gate (the config's
+# default); "falcon_h1-ungated-norm" is the same without that norm (mamba_rms_norm false).
+RECURRENT_FAMILIES = ("lfm2", "mamba2", "granitemoehybrid", "falcon_h1", "falcon_h1-ungated-norm", "qwen3_5_text")
 MAMBA = dict(conv_kernel=4, chunk_size=16)
 
 
@@ -160,6 +163,26 @@ def recurrent_config(tf, family: str):
             residual_multiplier=0.5,
             attention_multiplier=0.3,
             logits_scaling=2.0,
+        )
+    if family.startswith("falcon_h1"):
+        return tf.FalconH1Config(
+            **{**COMMON, "num_hidden_layers": 3},
+            mamba_d_ssm=128,
+            mamba_n_heads=8,
+            mamba_d_state=16,
+            mamba_n_groups=2,
+            mamba_d_conv=4,
+            mamba_chunk_size=16,
+            mamba_rms_norm=family == "falcon_h1",
+            embedding_multiplier=1.5,
+            lm_head_multiplier=0.7,
+            mlp_multipliers=[0.8, 1.3],
+            key_multiplier=0.6,
+            attention_in_multiplier=0.9,
+            attention_out_multiplier=1.1,
+            ssm_multipliers=[1.2, 0.9, 0.8, 1.1, 0.7],
+            ssm_in_multiplier=1.05,
+            ssm_out_multiplier=0.95,
         )
     if family == "qwen3_5_text":
         return tf.Qwen3_5TextConfig(

@@ -181,7 +181,7 @@ def test_an_unknown_family_is_refused_by_name_with_what_runs(tmp_path):
     assert str(refused.value) == (
         "config.json: model_type 'qwen2_moe' is not supported; staticrt runs llama, mistral, qwen2, gemma2, "
         "qwen3, gemma3_text, phi3, smollm3, olmo2, olmo3, granite, ministral3, mixtral, qwen3_moe, olmoe, gpt_oss, "
-        "lfm2, mamba2, granitemoehybrid, qwen3_5_text, gemma3, mistral3, qwen3_5 checkpoints"
+        "lfm2, mamba2, granitemoehybrid, falcon_h1, qwen3_5_text, gemma3, mistral3, qwen3_5 checkpoints"
     )
     with pytest.raises(ConfigError, match="use_bidirectional_attention is set: this is an encoder"):
         config_from_hf({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "config.json")

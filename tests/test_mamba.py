@@ -1,9 +1,10 @@
 """Mamba2 layers (issue 65): a convolution's inputs and a recurrent state `[B, H, D, N]` kept in the
 cache (caches/recurrent.py), on tiny checkpoints transformers saved from its own `Mamba2Config`
-(Mamba2 layers alone) and `GraniteMoeHybridConfig` (Granite 4.0-H: Mamba2, attention without rotary,
-Mamba2, Mamba2; experts beside a shared MLP). Both scan in chunks of 16 positions, so the 70-token
-prompt spans five. Tokens and logits equal transformers' on eager, compiled, cudagraph's host side,
-AOTInductor and ONNX, batch 4 and 1, 200 new tokens (logits, in one step, two and a token at a time:
+(Mamba2 layers alone), `GraniteMoeHybridConfig` (Granite 4.0-H: Mamba2, attention without rotary,
+Mamba2, Mamba2; experts beside a shared MLP) and `FalconH1Config` (a Mamba2 beside the attention in
+each layer, µP multipliers). All scan in chunks of 16 positions, so the 70-token prompt spans
+five. Tokens and logits equal transformers' on eager, compiled, cudagraph's host side, AOTInductor
+and ONNX, batch 4 and 1, 200 new tokens (logits, in one step, two and a token at a time:
 test_recurrent.py, as is the state, transformers' and kept bit for bit in a row that sits a step
 out); a conversation continues from its row where the state stopped, and anything shorter is
 prefilled again.
@@ -23,7 +24,7 @@ from staticrt.exporters import export_artifact
 from staticrt.generation.generator import load_artifact
 from staticrt.generation.prefix import RECURRENT, continues, draft_room, kept_prefix
 
-FAMILIES = ("mamba2", "granitemoehybrid")
+FAMILIES = ("mamba2", "granitemoehybrid", "falcon_h1")
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], list(range(10, 80)), [1, 2, 3], list(range(100, 120))]
 NEW_TOKENS = 200
 OPTIONS = dict(max_cache_len=288, prefill_buckets=(16, 128))
@@ -34,6 +35,7 @@ def models(hf_checkpoints):
     loaded = {family: staticrt.load_model(hf_checkpoints[family][0]) for family in FAMILIES}
     assert loaded["mamba2"].config.layer_types == ("mamba", "mamba")
     assert loaded["granitemoehybrid"].config.layer_types == ("mamba", "full_attention", "mamba", "mamba")
+    assert loaded["falcon_h1"].config.layer_types == ("mamba", "full_attention") * 3  # two cache layers a layer
     return loaded
 
 
@@ -133,12 +135,14 @@ def test_an_onnx_row_continues_its_conversation(hf_checkpoints, models, tmp_path
     assert kept == [0, 7 + 4 + 11, 7 + 4 + 12 + 20 + 11]
 
 
-def test_the_bench_builds_transformers_granite_from_the_decoders_weights(hf_checkpoints, models):
-    """The bench's transformers contender (bench/hf.py): config_to_hf and granite_hybrid_names
-    give back the model transformers saved, experts, shared MLP and Mamba2 layers alike."""
+@pytest.mark.parametrize("family", ["granitemoehybrid", "falcon_h1"])
+def test_the_bench_builds_transformers_model_from_the_decoders_weights(hf_checkpoints, models, family):
+    """The bench's transformers contender (bench/hf.py): config_to_hf and the family's names give
+    back the model transformers saved: Granite's experts, shared MLP and Mamba2 layers, Falcon-H1's
+    parallel Mamba2 and µP multipliers alike."""
     from staticrt.bench.hf import hf_model_like
 
-    rebuilt, saved = hf_model_like(models["granitemoehybrid"]), hf_checkpoints["granitemoehybrid"][1]
+    rebuilt, saved = hf_model_like(models[family]), hf_checkpoints[family][1]
     ids = torch.tensor([PROMPTS[1]])
     with torch.no_grad():
         # its attention is transformers' default (sdpa), the saved one eager: equal to rounding

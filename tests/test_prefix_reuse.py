@@ -33,6 +33,7 @@ CASES = {
     "mistral-sw16": ("sliding", 64),
     "lfm2": ("static", 128),  # conv layers: their inputs' buffer of 64 slots continues as a rotating layer does
     "granitemoehybrid": ("static", 128),  # Mamba2 layers: a state continues from where it stopped
+    "falcon_h1": ("static", 128),  # a Mamba2 beside each attention: two cache layers a layer
 }
 
 
@@ -243,6 +244,7 @@ def test_a_server_seats_a_request_in_the_row_holding_its_prefix(hf_checkpoints):
         ("llama", "offloaded"),
         ("lfm2", "static"),
         ("granitemoehybrid", "static"),
+        ("falcon_h1", "static"),
     ],
 )
 def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf_checkpoints, name, cache):
@@ -253,8 +255,8 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
     answer's last token). Every answer is a lone generate's, on static, hybrid and sliding caches
     (window 16: restored slots wrapped, and a wrapped row cannot back off to the system prompt, so
     there turn 1 keeps nothing), an int8 one (its scales restored with it) and an offloaded one
-    (host storage and device working buffers), and Granite 4.0-H's Mamba2 states (which continue
-    from where they stopped alone: turn 1 keeps nothing). With a pool too small for a row, turn 2
+    (host storage and device working buffers), and the Mamba2 states of Granite 4.0-H and Falcon-H1
+    (which continue from where they stopped alone: turn 1 keeps nothing). With a pool too small for a row, turn 2
     keeps no more than turn 1."""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import client, running
@@ -282,7 +284,8 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
             return answers, cached, httpx.get(f"{url}/metrics").text
 
     _, cached, metrics = converse(cache_ram_mb=16)
-    system = 0 if cache in ("hybrid", "sliding") or name == "granitemoehybrid" else 12  # a state cannot go back
+    recurrent = name in ("granitemoehybrid", "falcon_h1")  # a state cannot go back
+    system = 0 if cache in ("hybrid", "sliding") or recurrent else 12
     turn_two = {c: len(firsts[c]) + 5 for c in "ABC"}
     assert cached == {**{(c, 1): system if c != "A" else 0 for c in "ABC"}, **{(c, 2): turn_two[c] for c in "ABC"}}
     assert "staticrt_prefix_pool_restores_total 3.0" in metrics

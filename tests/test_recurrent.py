@@ -61,9 +61,11 @@ def test_logits_equal_transformers_in_one_step_continued_and_a_token_at_a_time(h
 
 
 # family -> (a recurrent layer, its state's part, a prompt over several chunks, tolerance): Mamba2's
-# chunks are 16 positions, DeltaNet's 64 (its triangular solve rounds further from transformers')
+# chunks are 16 positions, DeltaNet's 64 (its triangular solve rounds further from transformers').
+# The layer is transformers'; ours is its first cache layer (Falcon-H1's layer 1: cache layers 2, 3).
 STATES = {
     "granitemoehybrid": (2, "ssm", list(range(10, 80)), 1e-5),
+    "falcon_h1": (1, "ssm", list(range(10, 80)), 1e-5),
     "qwen3_5_text": (1, "state", list(range(10, 80)) + list(range(3, 90)), 1e-4),
 }
 
@@ -74,8 +76,9 @@ def test_the_state_is_transformers_and_a_row_that_sits_a_step_out_keeps_it(hf_ch
     each state is transformers' after its own prompt (padding gets dt 0, or beta and g 0). Then a
     step where row 1 feeds nothing (num_new 0, a server's idle row) leaves its state and conv
     inputs bit for bit as they were."""
-    layer, part, prompt, tolerance = STATES[family]
+    theirs_layer, part, prompt, tolerance = STATES[family]
     model, hf = staticrt.load_model(hf_checkpoints[family][0]), hf_checkpoints[family][1]
+    layer = model.config.cache_layers(theirs_layer)[0]
     cache = build_cache(model.config, CacheSpec("static", 2, 256), torch.float32)
     ids = torch.tensor([prompt, [1, 2, 3] + [0] * (len(prompt) - 3)])
     with torch.no_grad():
@@ -83,7 +86,7 @@ def test_the_state_is_transformers_and_a_row_that_sits_a_step_out_keeps_it(hf_ch
         model(ids, torch.tensor([0, 0]), cache, num_new=torch.tensor([len(prompt), 3]))
         assert cache.layer_layout(layer) == model.config.layer_types[layer]
         for row, past in enumerate(states):
-            theirs = past.get_recurrent_state(layer, 0)[0]
+            theirs = past.get_recurrent_state(theirs_layer, 0)[0]
             torch.testing.assert_close(
                 getattr(cache, f"{part}_{layer}")[row], theirs, rtol=tolerance, atol=tolerance / 10
             )

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..loading.checkpoint_layouts import granite_hybrid_names, lfm2_names
+from ..loading.checkpoint_layouts import falcon_h1_names, granite_hybrid_names, lfm2_names
 from ..loading.config_to_hf import config_to_hf
 from ..models.decoder import Decoder
 from .contenders import Contender
@@ -25,7 +25,8 @@ def hf_model_like(model: Decoder) -> Any:
     cfg = transformers.AutoConfig.for_model(**config_to_hf(model.config))
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     ours = model.state_dict()
-    rename = {"lfm2": lfm2_names, "granitemoehybrid": granite_hybrid_names}.get(model.config.family)
+    names = {"lfm2": lfm2_names, "granitemoehybrid": granite_hybrid_names, "falcon_h1": falcon_h1_names}
+    rename = names.get(model.config.family)
     if rename is not None:  # the families benched against transformers whose names differ
         ours = rename(ours)
     state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in ours.items()}

@@ -60,7 +60,7 @@ class KVCache(CacheRows, nn.Module, ABC):
         self.config = config
         self.spec = spec
         self.recurrent = {i: kind for i, kind in enumerate(config.layer_types) if kind in RECURRENT_KINDS}
-        conv = [i in self.recurrent for i in range(config.num_layers)]  # their inputs rotate (conv_state.py)
+        conv = [i in self.recurrent for i in range(len(config.layer_types))]  # their inputs rotate (conv_state.py)
         self.rotating = tuple(r or c for r, c in zip(rotating, conv, strict=True))
         self.window = self.rotating_slots(config, spec) if any(rotating) else None
         slots = conv_slots(config.conv_kernel)
@@ -70,7 +70,7 @@ class KVCache(CacheRows, nn.Module, ABC):
         self.device = torch.device(device)
         self.dtype = dtype
         self.host_names: set[str] = set()  # buffers kept in host memory, whatever the cache's device
-        for i in range(config.num_layers):
+        for i in range(len(config.layer_types)):
             self.allocate_layer(i)
         self.register_static("seq_lens", torch.zeros(spec.max_batch_size, dtype=torch.int64, device=device))
 

@@ -15,4 +15,4 @@ class HybridCache(KVCache):
     @classmethod
     def rotating_layers(cls, config: ModelConfig) -> list[bool]:
         window_layers = set(sliding_layers(config, cls.kind))
-        return [i in window_layers for i in range(config.num_layers)]
+        return [i in window_layers for i in range(len(config.layer_types))]

@@ -54,7 +54,7 @@ class SinkCache(KVCache):
 
     @classmethod
     def rotating_layers(cls, config: ModelConfig) -> list[bool]:
-        return [True] * config.num_layers
+        return [True] * len(config.layer_types)
 
     def rotating_slots(self, config: ModelConfig, spec: CacheSpec) -> int:
         """Every slot of the layer, sinks included: `max_cache_len`, which must leave room to rotate."""

@@ -16,10 +16,10 @@ class SlidingWindowCache(KVCache):
     @classmethod
     def rotating_layers(cls, config: ModelConfig) -> list[bool]:
         window_layers = set(sliding_layers(config, cls.kind))
-        full = [i for i in range(config.num_layers) if i not in window_layers]
+        full = [i for i in range(len(config.layer_types)) if i not in window_layers]
         if full:
             raise CacheError(
                 f"cache 'sliding' keeps only the last {config.sliding_window} positions, but layers {full} "
                 f"of this {config.family} model attend to every position; use cache='hybrid' (or 'auto')"
             )
-        return [True] * config.num_layers
+        return [True] * len(config.layer_types)

@@ -11,4 +11,4 @@ class StaticCache(KVCache):
 
     @classmethod
     def rotating_layers(cls, config: ModelConfig) -> list[bool]:
-        return [False] * config.num_layers
+        return [False] * len(config.layer_types)

@@ -25,6 +25,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     max_cache_len = resolve_max_cache_len(config, args.cache, args.max_cache_len, window=args.window)
     cache = build_cache(config, CacheSpec(args.cache, args.batch_size, max_cache_len, args.window), dtype, "meta")
     static = build_cache(config, CacheSpec("static", args.batch_size, max_cache_len), dtype, "meta")
+    # each cache layer's decoder layer: a parallel layer's (Falcon-H1's) Mamba2 and attention share one
+    owner = {j: layer for layer in range(config.num_layers) for j in config.cache_layers(layer)}
     rows = []
     for i, attention in enumerate(config.layer_types):
         layout = cache.layer_layout(i)
@@ -34,7 +36,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{'' if i not in cache.recurrent else name + ' '}{'x'.join(map(str, s))}" for name, s, _ in parts
         )
         rows.append(
-            [i, attention, layout, "host" if layout == "offloaded" else "device", shape, f"{cache.layer_bytes(i):,}"]
+            [
+                owner[i],
+                attention,
+                layout,
+                "host" if layout == "offloaded" else "device",
+                shape,
+                f"{cache.layer_bytes(i):,}",
+            ]
         )
     title = f"{args.model}: {cache.kind} cache, batch {args.batch_size}, max_cache_len {max_cache_len}"
     if cache.window:

@@ -191,7 +191,7 @@ def load_model(
     with torch.device("meta"):
         model = Decoder(config)
     load_state_dict_checked(model, state, str(folder))
-    model.reset_rope()  # the RoPE tables are not in the checkpoint: the meta placeholders are replaced
+    model.reset_buffers()  # the RoPE tables and µP vectors are not in the checkpoint: the meta placeholders go
     model = model.to(device)
     model.tokenizer = load_tokenizer(folder)
     model.source = str(folder)

@@ -103,12 +103,30 @@ def lfm2_names(state: dict[str, Any]) -> dict[str, Any]:
     return {_TO_LFM2(name): tensor for name, tensor in state.items()}
 
 
-def rename_lfm2(state: dict[str, Any], sizes: dict[str, int]) -> None:
-    """LFM2's tensors under the decoder's names, in place (its conv layers' `conv.in_proj`,
-    `conv.conv`, `conv.out_proj` are the decoder's own, models/short_conv.py)."""
-    for name in list(state):
-        if (ours := _TO_DECODER(name)) != name:
-            state[ours] = state.pop(name)
+def _renaming(rename: Callable[[str], str]) -> Callable[[dict[str, Any], dict[str, int]], None]:
+    """A family's `split_checkpoint` that renames its tensors in place, each by `rename`."""
+
+    def split(state: dict[str, Any], sizes: dict[str, int]) -> None:
+        for name in list(state):
+            if (ours := rename(name)) != name:
+                state[ours] = state.pop(name)
+
+    return split
+
+
+# LFM2's conv layers' `conv.in_proj`, `conv.conv`, `conv.out_proj` are the decoder's own (models/short_conv.py)
+rename_lfm2 = _renaming(_TO_DECODER)
+# Falcon-H1's MLP is `feed_forward`, its norm before it `pre_ff_layernorm`, its final one `final_layernorm`
+_FALCON_H1_NAMES = {"feed_forward": "mlp", "pre_ff_layernorm": "post_attention_layernorm"}
+rename_falcon_h1 = _renaming(_renamer(_FALCON_H1_NAMES, {"final_layernorm.weight": "norm.weight"}))
+_TO_FALCON_H1 = _renamer(
+    {ours: theirs for theirs, ours in _FALCON_H1_NAMES.items()}, {"norm.weight": "final_layernorm.weight"}
+)
+
+
+def falcon_h1_names(state: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's state dict under Falcon-H1's names (`rename_falcon_h1` inverted), for the bench's contender."""
+    return {_TO_FALCON_H1(name): tensor for name, tensor in state.items()}
 
 
 # Mamba2's names -> the decoder's: its blocks are a norm and a mixer (`mamba`, as Granite names it)

@@ -90,19 +90,30 @@ def _family_fields_to_hf(c: ModelConfig) -> dict[str, Any]:
         cfg.update(_experts_to_hf(c))
     if c.family == "granitemoehybrid":  # family_fields.py's readers, inverted
         cfg.update(
+            _mamba_to_hf(c),
             layer_types=["mamba" if t == "mamba" else "attention" for t in c.layer_types],
             shared_intermediate_size=c.intermediate_size,
             position_embedding_type=None if c.nope_layers else "rope",
-            mamba_n_heads=c.mamba_heads,
-            mamba_d_head=c.mamba_head_dim,
             mamba_expand=c.mamba_heads * c.mamba_head_dim // c.hidden_size,
-            mamba_d_state=c.mamba_state,
-            mamba_n_groups=c.mamba_groups,
-            mamba_chunk_size=c.mamba_chunk,
-            mamba_d_conv=c.conv_kernel,
-            mamba_conv_bias=c.conv_bias,
-            mamba_proj_bias=c.mamba_proj_bias,
             num_local_experts=c.num_experts,
+        )
+    if c.family == "falcon_h1":
+        attention_in, attention_out, ssm_in, ssm_out = c.branch_multipliers
+        cfg.update(
+            _mamba_to_hf(c),
+            mamba_d_ssm=c.mamba_heads * c.mamba_head_dim,
+            projectors_bias=c.mamba_proj_bias,
+            mamba_rms_norm=c.mamba_norm != "none",
+            mamba_norm_before_gate=c.mamba_norm == "gate_after",
+            attention_in_multiplier=attention_in,
+            attention_out_multiplier=attention_out,
+            ssm_in_multiplier=ssm_in,
+            ssm_out_multiplier=ssm_out,
+            key_multiplier=c.key_multiplier,
+            ssm_multipliers=list(c.ssm_multipliers or (1.0,) * 5),
+            mlp_multipliers=list(c.mlp_multipliers),
+            lm_head_multiplier=c.logits_multiplier,
+            embedding_multiplier=c.embedding_multiplier,
         )
     if c.family == "lfm2":  # its own spellings (family_fields.py's lfm2_fields), the MLP width as it is
         cfg.update(
@@ -113,6 +124,20 @@ def _family_fields_to_hf(c: ModelConfig) -> dict[str, Any]:
             block_auto_adjust_ff_dim=False,
         )
     return cfg
+
+
+def _mamba_to_hf(c: ModelConfig) -> dict[str, Any]:
+    """A Mamba2 layer's sizes in Granite's and Falcon-H1's spelling (family_fields.py's `_GRANITE_NAMES`)."""
+    return dict(
+        mamba_n_heads=c.mamba_heads,
+        mamba_d_head=c.mamba_head_dim,
+        mamba_d_state=c.mamba_state,
+        mamba_n_groups=c.mamba_groups,
+        mamba_chunk_size=c.mamba_chunk,
+        mamba_d_conv=c.conv_kernel,
+        mamba_conv_bias=c.conv_bias,
+        mamba_proj_bias=c.mamba_proj_bias,
+    )
 
 
 def _experts_to_hf(c: ModelConfig) -> dict[str, Any]:

@@ -29,6 +29,9 @@ What each family is, read off transformers' modeling files (5.x):
 - granitemoehybrid (Granite 4.0-H): Mamba2 layers and attention (no rotary unless
   `position_embedding_type` is "rope"), Granite's multipliers, experts whose router softmaxes its
   k best logits beside a shared MLP (or that MLP alone);
+- falcon_h1: a Mamba2 beside the attention in every layer, both on the layer's normed input and
+  their outputs summed; µP multipliers on each branch, the Mamba2 projection's parts, the MLP's
+  gate and output, the embeddings and the logits;
 - qwen3_5_text (Qwen3.5): gated DeltaNet layers (models/gated_deltanet.py) and, one in four,
   attention whose output a per-head gate scales, q/k head norms, (1 + w) norms, a quarter rotary.
 """
@@ -44,6 +47,7 @@ from ..errors import ConfigError
 from .checkpoint_layouts import (
     lay_out_gpt_oss,
     lay_out_granite_hybrid,
+    rename_falcon_h1,
     rename_lfm2,
     rename_mamba2,
     split_phi3,
@@ -51,6 +55,7 @@ from .checkpoint_layouts import (
 )
 from .family_fields import (
     deltanet_fields,
+    falcon_h1_fields,
     gpt_oss_experts,
     granite_experts,
     granite_hybrid_fields,
@@ -112,6 +117,11 @@ def mamba_or_full(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
     "linear_attention" and "full_attention"), else Mamba2 layers only."""
     given = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
     return tuple("mamba" if t in ("mamba", "linear_attention") else FULL if t == "attention" else t for t in given)
+
+
+def mamba_beside_attention(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Falcon-H1: every layer a Mamba2 and an attention side by side, two cache layers each."""
+    return ("mamba", FULL) * layers
 
 
 def deltanet_or_full(cfg: dict[str, Any], layers: int) -> tuple[str, ...]:
@@ -205,6 +215,12 @@ TABLE: dict[str, Family] = {
         split_checkpoint=lay_out_granite_hybrid,
         experts=granite_experts,
         own_fields=granite_hybrid_fields,
+    ),
+    "falcon_h1": Family(
+        {"parallel_mamba": True},
+        mamba_beside_attention,
+        split_checkpoint=rename_falcon_h1,
+        own_fields=falcon_h1_fields,
     ),
     "qwen3_5_text": Family(
         {"qk_norm": "head", "norm_offset": 1.0, "attention_output_gate": True},

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ConfigError
+
 
 def lfm2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """LFM2's own spellings: its conv kernel, norm epsilon, tied head, and its MLP width, which
@@ -75,6 +77,37 @@ def granite_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     nope = () if cfg.get("position_embedding_type") == "rope" else tuple(range(layers))
     width = int(cfg.get("shared_intermediate_size") or 1024)
     return _mamba_fields(cfg, "mamba_", _GRANITE_NAMES) | {"intermediate_size": width, "nope_layers": nope}
+
+
+def falcon_h1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Falcon-H1: its Mamba2 sizes (Granite's spellings; the mixer `mamba_d_ssm` wide where set),
+    how its output meets the gate, and its µP multipliers."""
+    fields = _mamba_fields(cfg, "mamba_", _GRANITE_NAMES)
+    if cfg.get("mamba_d_ssm") and cfg.get("mamba_d_head") in (None, "auto"):
+        fields["mamba_head_dim"] = int(cfg["mamba_d_ssm"]) // fields["mamba_heads"]
+    if bool(cfg.get("projectors_bias", False)) != fields["mamba_proj_bias"]:
+        raise ConfigError(
+            "projectors_bias and mamba_proj_bias differ (a bias on the Mamba2 output projection but not its input, "
+            "or the reverse); staticrt runs Falcon-H1 with both set alike, as the released checkpoints have them"
+        )
+    norm = (
+        "none"
+        if not cfg.get("mamba_rms_norm")
+        else "gate_after"
+        if cfg.get("mamba_norm_before_gate", True)
+        else "gated"
+    )
+    get = lambda name: float(cfg.get(name, 1.0))  # noqa: E731
+    names = ("attention_in_multiplier", "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier")
+    return fields | {
+        "mamba_norm": norm,
+        "branch_multipliers": tuple(get(name) for name in names),
+        "key_multiplier": get("key_multiplier"),
+        "ssm_multipliers": tuple(float(m) for m in cfg.get("ssm_multipliers") or (1.0,) * 5),
+        "mlp_multipliers": tuple(float(m) for m in cfg.get("mlp_multipliers") or (1.0, 1.0)),
+        "logits_multiplier": get("lm_head_multiplier"),
+        "embedding_multiplier": get("embedding_multiplier"),
+    }
 
 
 def deltanet_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.attention_scale
         self.softcap = c.attn_logit_softcapping
+        self.key_multiplier = c.key_multiplier
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.gated = c.attention_output_gate  # Qwen3.5: q_proj gives each head's query, then its gate
         q_width = q_size * (2 if self.gated else 1)
@@ -43,6 +44,8 @@ class Attention(nn.Module):
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         group = heads // kv_heads
         q, k, v = self.qkv_proj(x)  # [B*T, H*D] (gated: H*2D), [B*T, Hkv*D] twice
+        if self.key_multiplier != 1.0:  # Falcon-H1's
+            k = k * self.key_multiplier
         if self.qk_norm == "width":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.gated:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..caches.base import KVCache
+from ..caches.recurrent import StateView
 from ..caches.view import LayerView
 from ..config import ModelConfig
 from ..rope import RopeStep, inverse_frequencies, rope_step
@@ -44,9 +45,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         norm = lambda: RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_offset, c.norm_weight_in_float32)  # noqa: E731
-        # the token mixer: attention, or a recurrent layer's (MIXERS) under its checkpoint name
-        self.mixer_name, mixer = MIXERS.get(c.layer_types[layer_idx], ("self_attn", None))
-        setattr(self, self.mixer_name, Attention(config, layer_idx) if mixer is None else mixer(config))
+        # the token mixer: attention, or a recurrent layer's (MIXERS) under its checkpoint name; a
+        # parallel layer's (Falcon-H1) attention reads its second cache layer, a Mamba2 beside it the first
+        cache_layer = c.cache_layers(layer_idx)[-1]
+        self.mixer_name, mixer = MIXERS.get(c.layer_types[cache_layer], ("self_attn", None))
+        setattr(self, self.mixer_name, Attention(config, cache_layer) if mixer is None else mixer(config))
+        self.parallel = c.parallel_mamba
+        if self.parallel:
+            self.mamba = Mamba2(config)
+            self.branch_multipliers = c.branch_multipliers  # attention's input, output; Mamba2's input, output
         self.mixer_only = c.mixer_only  # Mamba2's blocks: a norm and the mixer
         if not self.mixer_only:
             self.mlp = SparseMoE(config) if layer_idx in config.moe_layers else MLP(config)
@@ -67,17 +74,30 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         self.residual_multiplier = c.residual_multiplier  # Granite's; 1 elsewhere
 
-    def forward(self, x: torch.Tensor, rope: RopeStep | None, view: LayerView) -> torch.Tensor:
-        """`x [B*T, C]` -> `[B*T, C]`."""
-        mixer = getattr(self, self.mixer_name)
+    def forward(
+        self, x: torch.Tensor, rope: RopeStep | None, view: LayerView | tuple[StateView, LayerView]
+    ) -> torch.Tensor:
+        """`x [B*T, C]` -> `[B*T, C]`; `view`: a parallel layer's two (its Mamba2's, its attention's)."""
         if self.placement == "pre":
-            x = self._add(x, mixer(self.input_layernorm(x), rope, view))
+            x = self._add(x, self._mix(self.input_layernorm(x), rope, view))
             return x if self.mixer_only else self._add(x, self._feed_forward(self.post_attention_layernorm(x)))
         post = self.placement == "post"
-        attn = mixer(x if post else self.input_layernorm(x), rope, view)
+        attn = self._mix(x if post else self.input_layernorm(x), rope, view)
         x = self._add(x, self.post_attention_layernorm(attn))
         ff = self._feed_forward(x if post else self.pre_feedforward_layernorm(x))
         return self._add(x, self.post_feedforward_layernorm(ff))
+
+    def _mix(
+        self, x: torch.Tensor, rope: RopeStep | None, view: LayerView | tuple[StateView, LayerView]
+    ) -> torch.Tensor:
+        """The token mixer's output; a parallel layer's Mamba2 and attention on the same input, each
+        times its multipliers, summed (Falcon-H1)."""
+        mixer = getattr(self, self.mixer_name)
+        if not self.parallel:
+            return mixer(x, rope, view)
+        ssm_view, view = view
+        attention_in, attention_out, ssm_in, ssm_out = self.branch_multipliers
+        return self.mamba(x * ssm_in, None, ssm_view) * ssm_out + mixer(x * attention_in, rope, view) * attention_out
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP, or the experts plus the shared MLP beside them (Granite 4.0-H)."""
@@ -88,7 +108,7 @@ class DecoderLayer(nn.Module):
         return x + (branch if self.residual_multiplier == 1.0 else branch * self.residual_multiplier)
 
 
-def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: RopeStep | None, view: LayerView) -> torch.Tensor:
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: RopeStep | None, view: LayerView | tuple) -> torch.Tensor:
     return layer(x, rope, view)
 
 
@@ -111,14 +131,17 @@ class Decoder(nn.Module):
         self.layer_ropes = [
             None if (r := config.layer_rope(i)) is None else config.ropes.index(r) for i in range(config.num_layers)
         ]
-        self.reset_rope()
+        self.reset_buffers()
         self.quantization = None  # a QuantSpec once `quantize.quantize_weights` ran
         self.packed = False  # linear layers over oneDNN-packed weights once `packed_linear.pack` ran
 
-    def reset_rope(self) -> None:
-        """(Re)build the inverse frequencies, buffers outside the checkpoint: `inv_freq` for the
+    def reset_buffers(self) -> None:
+        """(Re)build the buffers outside the checkpoint: the inverse frequencies, `inv_freq` for the
         first rotary embedding, `inv_freq_1` for a second (Gemma 3's local one), each with a
-        `_long` twin for LongRoPE (rope.py)."""
+        `_long` twin for LongRoPE (rope.py); Falcon-H1's Mamba2 µP vectors."""
+        for layer in self.layers:
+            if getattr(layer, "parallel", False):
+                layer.mamba.reset_buffers()
         for i, rope in enumerate(self.config.ropes):
             name = f"inv_freq{f'_{i}' if i else ''}"
             self.register_buffer(name, inverse_frequencies(rope, self.config.rotary_dim), persistent=False)
@@ -178,7 +201,8 @@ class Decoder(nn.Module):
         run_layer = _run_layer_once if layers_once else _run_layer
         for i, layer in enumerate(self.layers):
             rope = None if self.layer_ropes[i] is None else ropes[self.layer_ropes[i]]
-            x = run_layer(layer, x, rope, cache.view(i, meta, x))
+            views = [cache.view(j, meta, x) for j in self.config.cache_layers(i)]  # a parallel layer's two
+            x = run_layer(layer, x, rope, views[0] if len(views) == 1 else tuple(views))
         if last_only:
             last = (num_new - 1).clamp(min=0)
             x = x.view(batch, seq_len, -1)[torch.arange(batch, device=x.device), last]  # [B, C]
@@ -190,6 +214,8 @@ class Decoder(nn.Module):
         )  # [B or B*T or B*L, V]
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        if self.config.logits_multiplier != 1.0:
+            logits = logits * self.config.logits_multiplier
         if self.config.final_logit_softcapping is not None:
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap

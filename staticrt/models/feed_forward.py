@@ -29,8 +29,12 @@ class MLP(nn.Module):
         )
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=bias)
         self.tanh_gelu = uses_tanh_gelu(c)
+        self.gate_multiplier, self.out_multiplier = c.mlp_multipliers  # Falcon-H1's µP; 1 elsewhere
         name_fused_parts_apart(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        return self.down_proj(activate(gate, self.tanh_gelu) * up)
+        if self.gate_multiplier != 1.0:
+            gate = gate * self.gate_multiplier
+        out = self.down_proj(activate(gate, self.tanh_gelu) * up)
+        return out if self.out_multiplier == 1.0 else out * self.out_multiplier

@@ -29,19 +29,22 @@ from .short_conv import causal_conv
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of `y * silu(z)` over each of G groups of channels (transformers' MambaRMSNormGated)."""
+    """RMSNorm over each of G groups of channels of `y * silu(z)` (transformers' MambaRMSNormGated),
+    or with `gate_after` of y, then times silu(z) (Falcon-H1's `mamba_norm_before_gate`)."""
 
-    def __init__(self, width: int, groups: int, eps: float) -> None:
+    def __init__(self, width: int, groups: int, eps: float, gate_after: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.gate_after = groups, eps, gate_after
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """`y`, `z` `[..., H*D]` -> `[..., H*D]`."""
-        dtype = y.dtype
-        y = y.float() * F.silu(z.float())
+        dtype, gate = y.dtype, F.silu(z.float())
+        y = y.float() if self.gate_after else y.float() * gate
         grouped = y.view(*y.shape[:-1], self.groups, y.shape[-1] // self.groups)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gate_after:  # in float32 to the end, as Falcon-H1's norm
+            return (self.weight * grouped.view_as(y) * gate).to(dtype)
         return self.weight * grouped.view_as(y).to(dtype)
 
 
@@ -59,8 +62,21 @@ class Mamba2(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
         self.D = nn.Parameter(torch.empty(self.heads))
-        self.norm = GatedRMSNorm(inner, self.groups, c.rms_norm_eps)
+        if c.mamba_norm != "none":  # else y * silu(z) (Falcon-H1 without `mamba_rms_norm`)
+            self.norm = GatedRMSNorm(inner, self.groups, c.rms_norm_eps, c.mamba_norm == "gate_after")
         self.out_proj = nn.Linear(inner, c.hidden_size, bias=c.mamba_proj_bias)
+        self.multipliers = c.ssm_multipliers
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)build `mup`, outside the checkpoint: Falcon-H1's µP, each of in_proj's parts z, x, B,
+        C and dt times its multiplier (transformers' `mup_vector`), in the weights' dtype; None elsewhere."""
+        mup = None
+        if self.multipliers:
+            inner, dtype = self.heads * self.head_dim, self.in_proj.weight.dtype
+            parts = (inner, inner, self.groups * self.state, self.groups * self.state, self.heads)
+            mup = torch.cat([torch.full((n,), m, dtype=dtype) for n, m in zip(parts, self.multipliers, strict=True)])
+        self.register_buffer("mup", mup, persistent=False)
 
     def forward(self, x: torch.Tensor, rope: RopeStep | None, view: StateView) -> torch.Tensor:
         """`x [B*T, C]` -> `[B*T, C]`; `rope` is unused (the signature is the attention's)."""
@@ -68,7 +84,8 @@ class Mamba2(nn.Module):
         inner, conv_width = self.heads * self.head_dim, self.conv1d.weight.shape[0]
         # sizes spelled out, never -1: torch.export keeps T one symbol (the ONNX graph's S)
         widths = [inner, conv_width, self.heads]
-        z, xbc, dt = self.in_proj(x).view(batch, seq_len, sum(widths)).split(widths, dim=-1)
+        projected = self.in_proj(x) if self.mup is None else self.in_proj(x) * self.mup  # [B*T, sum(widths)]
+        z, xbc, dt = projected.view(batch, seq_len, sum(widths)).split(widths, dim=-1)
         xbc = F.silu(causal_conv(view, xbc, self.conv1d))  # [B, T, conv width]
         xs, b, c = xbc.split([inner, self.groups * self.state, self.groups * self.state], dim=-1)
         dt = F.softplus(dt + self.dt_bias)  # [B, T, H]
@@ -81,7 +98,8 @@ class Mamba2(nn.Module):
             dt = torch.clamp(dt, self.dt_limit[0], self.dt_limit[1]) * real[..., None]
             y, state = self._chunked_scan(view.state(), xs, dt, b, c, view.in_one_chunk() is not None)
         view.keep_state(state)
-        y = self.norm(y.reshape(batch, seq_len, inner), z)  # [B, T, H*D]
+        y = y.reshape(batch, seq_len, inner)
+        y = self.norm(y, z) if hasattr(self, "norm") else y * F.silu(z)  # [B, T, H*D]
         return self.out_proj(y.view(batch * seq_len, inner).to(x.dtype))
 
     def _per_head(self, groups: torch.Tensor, dim: int) -> torch.Tensor:
