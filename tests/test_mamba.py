@@ -19,6 +19,7 @@ from hf_models import hf_greedy
 import staticrt
 from staticrt.backends.cudagraph import HostReplayBackend
 from staticrt.caches import CacheSpec, build_cache
+from staticrt.caches.row_state import load_row, save_row
 from staticrt.errors import CacheError, GenerationError
 from staticrt.exporters import export_artifact
 from staticrt.generation.generator import load_artifact
@@ -83,6 +84,21 @@ def test_a_conversation_continues_where_the_state_stopped_and_a_shorter_prefix_s
     branch = gen.held[0][:30] + [5, 5]
     assert gen.generate([branch], 12, reuse_prefix=True)[0] == hf_greedy(hf, branch, 12)
     assert gen.last_stats.kept == [0]
+
+
+def test_the_host_pool_keeps_a_state_whole_whose_width_equals_the_cache_length(models):
+    """A row stashed to the host and restored into another (the server's prefix pool, row_state.py)
+    takes the state whole: here a Mamba2 state's D (16) equals max_cache_len, the length by which a
+    linear layer's K/V is cut to the positions the row holds."""
+    model = models["granitemoehybrid"]
+    cache = build_cache(model.config, CacheSpec("static", 2, 16), torch.float32)
+    with torch.no_grad():
+        model(torch.tensor([PROMPTS[0][:5], [0] * 5]), torch.tensor([0, 0]), cache, num_new=torch.tensor([5, 0]))
+    assert cache.ssm_0.shape[2] == cache.max_sequence_len == 16 and cache.ssm_0[0].any()
+    buffers = dict(cache.named_buffers())
+    load_row(buffers, 1, save_row(buffers, 0, 5, cache.max_sequence_len))
+    assert torch.equal(cache.ssm_0[1], cache.ssm_0[0]) and torch.equal(cache.conv_0[1], cache.conv_0[0])
+    assert torch.equal(cache.key_1[1, :, :5], cache.key_1[0, :, :5])
 
 
 def test_a_recurrent_state_continues_only_from_where_it_stopped_and_takes_no_drafts():

@@ -190,8 +190,8 @@ class EagerBackend(RowStash):
         model and cache layout, of any batch size): a prompt prefilled alone joins the batch."""
         self.cache.copy_row(source.cache, source_row, row)
 
-    def row_buffers(self) -> list[torch.Tensor]:
-        return list(self.cache.buffers())
+    def row_buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self.cache.named_buffers())
 
     def prepare(
         self, widths: Sequence[int], do_sample: bool, continuing: bool = False, fresh: bool = True, **_: Any

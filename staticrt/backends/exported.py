@@ -134,15 +134,17 @@ class ExportedBackend(ArtifactBackend, RowStash):
         self.check_loaded("vocab_size", self.vocab_size, embedding.shape[0], folder / manifest["weights"])
         load = _aoti_program if format == "aoti" else _pt2_program
         self.programs = {name: load(folder / format / f"{name}.pt2", self.constants) for name in manifest["programs"]}
-        self.cache_state = [t for name, t in self.constants.items() if name.startswith("cache.")]
+        self.cache_state = {
+            name.removeprefix("cache."): t for name, t in self.constants.items() if name.startswith("cache.")
+        }
         self.name = f"exported-{format}"
         self.buckets = tuple(manifest["prefill_buckets"])
 
     def reset(self) -> None:
-        for tensor in self.cache_state:
+        for tensor in self.cache_state.values():
             tensor.zero_()
 
-    def row_buffers(self) -> list[torch.Tensor]:
+    def row_buffers(self) -> dict[str, torch.Tensor]:
         return self.cache_state
 
     def step(

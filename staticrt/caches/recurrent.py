@@ -24,6 +24,7 @@ from .conv_state import ConvCache, ConvView, conv_parts
 from .view import StepMetadata
 
 Parts = list[tuple[str, tuple[int, ...], torch.dtype]]
+STATE_PARTS = ("conv", "ssm", "state")  # the parts `recurrent_parts` names: no dim of theirs counts positions
 # The cache kinds that hold recurrent layers: those whose every layer lives on the device in float
 # (the offloaded, sink and int8 caches store attention's K/V their own way).
 STATE_KINDS = ("static", "sliding", "hybrid")

@@ -5,7 +5,8 @@ conversation returns, as llama.cpp's `--cache-ram` does with its slots.
 Of a linear layer's storage (`[B, H_kv, L, ...]` with L the positions a row can reach: slot j holds
 position j) only the first `length` positions are kept, since those are all the row holds; what
 the target row has past them is hidden by position until overwritten, as in any freed row. Every
-other buffer (a rotating layer's slots, per-row lengths) is kept whole. Worked: SmolLM2, 556
+other buffer (a rotating layer's slots, a recurrent layer's state, per-row lengths) is kept whole;
+which is which goes by the buffer's name, never by a size that may happen to equal L. Worked: SmolLM2, 556
 positions, a row holding 300 tokens keeps 300 x 30 layers x 2 x 3 heads x 64 x 4 bytes = 13.8 MB
 of its 25.6 MB. Writes are in place: compiled and captured graphs keep their addresses.
 """
@@ -13,11 +14,13 @@ of its 25.6 MB. Writes are in place: compiled and captured graphs keep their add
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from .recurrent import STATE_PARTS
 
 
 @dataclass(eq=False)  # tensors have no truth value: a state is equal to itself only
@@ -31,20 +34,23 @@ class RowState:
         return sum(part.numel() * part.element_size() for part in self.parts)
 
 
-def save_row(buffers: Sequence[torch.Tensor], row: int, length: int, limit: int | None) -> RowState:
-    """Row `row` of every batch-first buffer, a linear layer's (dim 2 == `limit`, the positions a
-    row reaches; None: no layer is linear) cut to its first `length` positions, copied to the host."""
+def save_row(buffers: Mapping[str, torch.Tensor], row: int, length: int, limit: int | None) -> RowState:
+    """Row `row` of every batch-first buffer (by its name in the cache, `{part}_{layer}`), a linear
+    layer's (dim 2 == `limit`, the positions a row reaches; None: no layer is linear) cut to its
+    first `length` positions, copied to the host. A recurrent layer's buffers are kept whole, whatever
+    their sizes: a Mamba2 state `[B, H, D, N]` whose D equals `limit` holds no positions."""
     parts = []
-    for buf in buffers:
-        linear = limit is not None and buf.dim() >= 3 and buf.shape[2] == limit
+    for name, buf in buffers.items():
+        state = name.rpartition("_")[0] in STATE_PARTS
+        linear = limit is not None and buf.dim() >= 3 and buf.shape[2] == limit and not state
         part = buf[row, :, :length] if linear else buf[row]
         parts.append(part.to("cpu", copy=True))
     return RowState(parts)
 
 
-def load_row(buffers: Sequence[torch.Tensor], row: int, state: RowState) -> None:
+def load_row(buffers: Mapping[str, torch.Tensor], row: int, state: RowState) -> None:
     """Row `row` of every buffer takes `state` (saved from the same layout), in place."""
-    for buf, part in zip(buffers, state.parts, strict=True):
+    for buf, part in zip(buffers.values(), state.parts, strict=True):
         target = buf[row]
         if part.shape != target.shape:  # a linear layer's first positions
             target = target[:, : part.shape[1]]
@@ -58,8 +64,9 @@ class RowStash(ABC):
     max_sequence_len: int | None
 
     @abstractmethod
-    def row_buffers(self) -> list[torch.Tensor]:
-        """Every tensor of the backend's cache state, batch-first, in a fixed order."""
+    def row_buffers(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the backend's cache state, batch-first, by its name in the cache (`key_0`,
+        `ssm_1`, ...), in a fixed order."""
 
     def stash_row(self, row: int, length: int) -> RowState:
         """A host copy of what row `row` holds in its first `length` positions (its rotating slots whole)."""
