@@ -6,6 +6,9 @@ k of E experts a token; routing sends a batch's tokens to different experts.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import pytest
 import torch
 from hf_models import MOE_FAMILIES
@@ -16,7 +19,9 @@ from staticrt.caches import CacheSpec, build_cache
 from staticrt.errors import ConfigError
 from staticrt.exporters import export_artifact
 from staticrt.generation.generator import load_artifact
+from staticrt.models.expert_quant import QuantizedStack
 from staticrt.models.moe import SparseMoE
+from staticrt.models.quant_spec import QuantSpec
 
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], list(range(10, 50)), [1, 2, 3], [77, 3, 3, 140, 9]]
 NEW_TOKENS = 36  # past position 32, where gpt-oss's yarn and the windows of 16 matter
@@ -112,16 +117,95 @@ def test_aoti_runs_gpt_oss_sinks_biases_and_experts(hf_checkpoints, expected, tm
     assert load_artifact(folder, "aoti").generate(PROMPTS, NEW_TOKENS) == expected("gpt_oss")
 
 
-def test_moe_variants_not_implemented_and_quantized_experts_are_refused_by_name(hf_checkpoints):
+def test_moe_variants_not_implemented_are_refused_by_name():
     from staticrt.loading.hf_config import config_from_hf
 
     with pytest.raises(ConfigError, match="^config.json: model_type 'qwen2_moe' is not supported; staticrt runs"):
         config_from_hf({"model_type": "qwen2_moe"}, "config.json")
-    with pytest.raises(ConfigError) as refused:
-        staticrt.load_model(hf_checkpoints["mixtral"][0], quantize="int8")
-    assert str(refused.value) == (
-        "quantize 'int8': this mixtral model's 4 experts are stacked weights that staticrt's int8/int4 kernels do "
-        "not take yet, and they hold most of its bytes; load it without --quantize"
+
+
+def dequantized_twin(model):
+    """A copy of a model loaded with `quantize` whose experts hold their codes' dequantized values as
+    float stacks: what the quantized experts must compute exactly (its projections are the model's)."""
+    twin = copy.deepcopy(model)
+    for moe in [m for m in twin.modules() if isinstance(m, SparseMoE)]:
+        for name in ("gate_up_proj", "down_proj"):
+            stack = getattr(moe.experts, name)
+            assert isinstance(stack, QuantizedStack) and stack.codes.dtype in (torch.int8, torch.uint8)
+            weights = stack.gather(torch.arange(moe.num_experts), model.embed_tokens.weight.dtype)
+            delattr(moe.experts, name)
+            setattr(moe.experts, name, torch.nn.Parameter(weights, requires_grad=False))
+    return twin
+
+
+@pytest.mark.parametrize("family,quantize", [("mixtral", "int8"), ("gpt_oss", "int4"), ("qwen3_moe", "int8")])
+def test_quantized_experts_compute_the_float_model_of_their_dequantized_codes(hf_checkpoints, family, quantize):
+    """`--quantize` on a mixture of experts: its stacks as int8 codes with a scale a row, or int4
+    with a scale and minimum a group of 32 (expert_quant.py), each within half a step of the float
+    weight; the router stays float. The quantized model's tokens (eager, batch 4: decode gathers,
+    prefill runs every expert) are those of its twin holding the dequantized values as floats, and
+    compiled gives them too where the model computes in float32 (int8 and int4 take staticrt's
+    kernels here; Qwen3-MoE's 96-wide attention takes torchao's, in bfloat16)."""
+    model = staticrt.load_model(hf_checkpoints[family][0], quantize=quantize)
+    floats = staticrt.load_model(hf_checkpoints[family][0], dtype=model.embed_tokens.weight.dtype)  # as it quantized
+    layers = lambda m: [moe for moe in m.modules() if isinstance(moe, SparseMoE)]  # noqa: E731
+    for ours, theirs in zip(layers(model), layers(floats), strict=True):
+        assert type(ours.gate) is torch.nn.Linear and ours.gate.weight.dtype == model.embed_tokens.weight.dtype
+        for name in ("gate_up_proj", "down_proj"):
+            stack, weight = getattr(ours.experts, name), getattr(theirs.experts, name)
+            error = (stack.gather(torch.arange(ours.num_experts), torch.float32) - weight.float()).abs()
+            step = stack.scale[..., None] if stack.bits == 8 else stack.scale.repeat_interleave(stack.group, dim=-1)
+            assert torch.all(error <= step / 2 + 1e-6), name
+    expected = staticrt.Generator(dequantized_twin(model), **OPTIONS).generate(PROMPTS, NEW_TOKENS)
+    assert staticrt.Generator(model, **OPTIONS).generate(PROMPTS, NEW_TOKENS) == expected
+    if model.embed_tokens.weight.dtype == torch.float32:
+        compiled = staticrt.Generator(model, backend="compiled", prefill_buckets=[64], **OPTIONS)
+        assert compiled.generate(PROMPTS, NEW_TOKENS) == expected
+
+
+def test_quantized_experts_export_to_aoti_and_onnx_as_their_codes(hf_checkpoints, tmp_path, monkeypatch):
+    """AOTInductor's program holds the int8 codes and dequantizes after its gather, as eager does;
+    the ONNX graph quantizes the float model's experts the same way (Gather, Cast, Mul over int8
+    initializers, a quarter of the float stacks' bytes) beside ONNX Runtime's MatMulNBits for the
+    projections, and gives the tokens of the same graph over the dequantized values as floats."""
+    import onnx
+
+    from staticrt.exporters import onnx_export
+
+    folder = hf_checkpoints["mixtral"][0]
+    model = staticrt.load_model(folder, quantize="int8")
+    aoti = export_artifact(model, CacheSpec("static", 4, 96), [64], tmp_path / "aoti", ["aoti"])
+    expected = staticrt.Generator(model, **OPTIONS).generate(PROMPTS, NEW_TOKENS)
+    assert load_artifact(aoti, "aoti").generate(PROMPTS, NEW_TOKENS) == expected
+
+    floats, int8 = staticrt.load_model(folder), QuantSpec(8, None, None)
+    graph = export_artifact(floats, CacheSpec("static", 4, 96), [64], tmp_path / "onnx", ["onnx"], quantize=int8)
+    assert all(type(m.experts.gate_up_proj) is torch.nn.Parameter for m in floats.modules() if isinstance(m, SparseMoE))
+    onnx_graph = onnx.load(str(graph / "onnx" / "model.onnx")).graph
+    stacks = {i.name: i.data_type for i in onnx_graph.initializer if "experts" in i.name}
+    assert len(stacks) == 4 and set(stacks.values()) == {onnx.TensorProto.INT8}  # gate_up and down codes, 2 layers
+    routers = [n for n in onnx_graph.node if n.op_type == "Gemm" and n.input[1].endswith("mlp.gate.weight")]
+    assert len(routers) == 2  # float, as the torch side keeps them
+    twin = dequantized_twin(staticrt.load_model(folder, quantize="int8"))
+    for moe in [m for m in floats.modules() if isinstance(m, SparseMoE)]:  # the twin's float stacks
+        mine = twin.get_submodule(next(n for n, m in floats.named_modules() if m is moe))
+        moe.experts.gate_up_proj.data, moe.experts.down_proj.data = mine.experts.gate_up_proj, mine.experts.down_proj
+    monkeypatch.setattr(onnx_export, "experts_quantized", lambda model, spec: contextlib.nullcontext())
+    reference = export_artifact(floats, CacheSpec("static", 4, 96), [64], tmp_path / "ref", ["onnx"], quantize=int8)
+    size = lambda f: (f / "onnx" / "model.onnx.data").stat().st_size  # noqa: E731
+    assert (
+        size(reference) - size(graph)
+        >= 0.7
+        * sum(
+            4 * m.experts.gate_up_proj.numel() + 4 * m.experts.down_proj.numel()
+            for m in floats.modules()
+            if isinstance(m, SparseMoE)
+        )
+        * 3
+        / 4
+    )
+    assert load_artifact(graph, "onnx").generate(PROMPTS, NEW_TOKENS) == load_artifact(reference, "onnx").generate(
+        PROMPTS, NEW_TOKENS
     )
 
 

@@ -40,7 +40,7 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
         total -= embed.numel() * embed.element_size()
         total += batch_size * embed.shape[1] * embed.element_size()
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
-        count, whole = experts.gate_up_proj.shape[0], sum(stored_bytes(p) for p in experts.parameters())
+        count, whole = experts.num_experts, sum(stored_bytes(p) for p in experts.parameters())  # codes too
         total -= whole - whole * min(count, batch_size * model.config.experts_per_token) // count
     return total
 

@@ -63,6 +63,7 @@ from ..caches import KVCache
 from ..caches.ops import onnx_translations
 from ..errors import ArtifactError
 from ..models.decoder import Decoder
+from ..models.expert_quant import experts_quantized
 from ..models.quant_spec import QuantSpec
 from .onnx_step import OnnxStep
 
@@ -261,7 +262,8 @@ def write_onnx(
     from .onnx_fuse import fuse_graph
 
     path = folder / GRAPH
-    timed("trace and translate to ONNX", lambda: export_graph(model, cache, path))
+    with experts_quantized(model, quantize):  # a mixture of experts' stacks as int8/int4 codes in the graph
+        timed("trace and translate to ONNX", lambda: export_graph(model, cache, path))
     fused = timed("fuse norms and rotary embeddings (RMSNormalization, RotaryEmbedding)", lambda: fuse_graph(path))
     timed("check the graph (onnx.checker, full_check)", lambda: onnx.checker.check_model(str(path), full_check=True))
     quantized = None

@@ -35,11 +35,17 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.intermediate = intermediate
+        self.num_experts, self.intermediate = num_experts, intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+
+    def stack(self, name: str, index: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
+        """The experts at `index`: their `name` weights (gate_up_proj, down_proj) `[*index, N, K]`,
+        gathered from the float stack or dequantized from its codes (expert_quant.py, `--quantize`)."""
+        stack = getattr(self, name)
+        return stack[index] if isinstance(stack, torch.Tensor) else stack.gather(index, dtype)
 
 
 class SparseMoE(nn.Module):
@@ -83,10 +89,10 @@ class SparseMoE(nn.Module):
     def _gathered(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token through its own k experts, whose weights are gathered: `[N, k, 2I, H]`."""
         e = self.experts
-        gate_up = torch.einsum("nh,nkoh->nko", x, e.gate_up_proj[chosen])  # [N, k, 2I]
+        gate_up = torch.einsum("nh,nkoh->nko", x, e.stack("gate_up_proj", chosen, x.dtype))  # [N, k, 2I]
         if e.gate_up_proj_bias is not None:
             gate_up = gate_up + e.gate_up_proj_bias[chosen]
-        out = torch.einsum("nki,nkhi->nkh", self._act(gate_up), e.down_proj[chosen])  # [N, k, H]
+        out = torch.einsum("nki,nkhi->nkh", self._act(gate_up), e.stack("down_proj", chosen, x.dtype))  # [N, k, H]
         if e.down_proj_bias is not None:
             out = out + e.down_proj_bias[chosen]
         total = torch.zeros_like(x)
@@ -100,6 +106,7 @@ class SparseMoE(nn.Module):
         for e in range(self.num_experts):
             gate_up_bias = None if ex.gate_up_proj_bias is None else ex.gate_up_proj_bias[e]
             down_bias = None if ex.down_proj_bias is None else ex.down_proj_bias[e]
-            hidden = self._act(F.linear(x, ex.gate_up_proj[e], gate_up_bias))  # [N, I]
-            total = total + (F.linear(hidden, ex.down_proj[e], down_bias) * routing[:, e, None]).to(x.dtype)
+            hidden = self._act(F.linear(x, ex.stack("gate_up_proj", e, x.dtype), gate_up_bias))  # [N, I]
+            down = F.linear(hidden, ex.stack("down_proj", e, x.dtype), down_bias)  # [N, H]
+            total = total + (down * routing[:, e, None]).to(x.dtype)
         return total

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from .expert_quant import check_experts, quantize_experts
 from .gguf_blocks import BLOCK, Blocks, codes_of
 from .quant_spec import INT4_GROUP_SIZES, QuantSpec
 
@@ -78,14 +79,9 @@ def kernels_for(
     else torchao's weight-only kernels: on CUDA, with `dtype` bfloat16 or float16 (staticrt's take
     float32), where an input size is not a multiple of the bytes the kernels read a step, or where
     the kernels cannot be built here (said in a warning; `build` False, as for `inspect`, which
-    only asks which kernels, does not try). A mixture of experts is refused: its experts are stacked
-    weights (models/moe.py) that none of these kernels takes, and they are most of its bytes."""
-    if config.num_experts:
-        raise ConfigError(
-            f"quantize {spec.name!r}: this {config.family} model's {config.num_experts} experts are stacked weights "
-            "that staticrt's int8/int4 kernels do not take yet, and they hold most of its bytes; load it without "
-            "--quantize"
-        )
+    only asks which kernels, does not try). A mixture of experts' stacks are quantized apart from
+    these kernels (expert_quant.py), at the spec's width."""
+    check_experts(config, spec)
     if spec.activations is not None:
         return spec
     from . import a8_kernels
@@ -188,8 +184,9 @@ def quantize_weights(model: nn.Module, spec: QuantSpec, kept: dict[str, Blocks] 
     if kept and spec.bits == 4 and weight.device.type == "cpu":
         _keep_codes(model, kept)
     else:
-        quantize_(model, body, filter_fn=lambda module, name: isinstance(module, nn.Linear) and name != "lm_head")
+        quantize_(model, body, filter_fn=lambda module, name: _projection(module, name) and name != "lm_head")
     quantize_(model, head, filter_fn=lambda _module, name: name == "lm_head")
+    quantize_experts(model, spec)
     model.quantization = spec
     return model
 
@@ -208,7 +205,7 @@ def _int8_activation_kernels(model: nn.Module, spec: QuantSpec) -> nn.Module:
             f"quantize {spec.name!r} runs on the CPU (its kernel is AVX512-VNNI or AVX2); on {weight.device} use "
             f"{spec.name[:4]}"
         )
-    linears = [(name, m) for name, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
+    linears = [(name, m) for name, m in model.layers.named_modules() if _projection(m, name)]
     sizes = _input_sizes(model.config)
     if any(size % STEP for size in sizes):
         raise ConfigError(
@@ -223,8 +220,15 @@ def _int8_activation_kernels(model: nn.Module, spec: QuantSpec) -> nn.Module:
         setattr(parent, own, projection(linear.weight, linear.bias, getattr(linear, "parts", None)))
     head = weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int8Linear(head)
+    quantize_experts(model, spec)
     model.quantization = spec
     return model
+
+
+def _projection(module: nn.Module, name: str) -> bool:
+    """Whether `module` (at `name`) is a projection the kernels quantize: a linear layer but a
+    mixture of experts' router (`mlp.gate`), which stays float (expert_quant.py says why)."""
+    return isinstance(module, nn.Linear) and not name.endswith("mlp.gate")
 
 
 def _keep_codes(model: nn.Module, kept: dict[str, Blocks]) -> None:
@@ -236,7 +240,7 @@ def _keep_codes(model: nn.Module, kept: dict[str, Blocks]) -> None:
     from torchao.quantization.utils import pack_tinygemm_scales_and_zeros
 
     for name, module in model.layers.named_modules(prefix="layers"):
-        if not isinstance(module, nn.Linear):
+        if not _projection(module, name):
             continue
         owner, _, own_name = name.rpartition(".")
         parts = [kept[f"{owner}.{part}.weight"] for part in getattr(module, "parts", {own_name: 0})]
