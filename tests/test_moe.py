@@ -138,29 +138,74 @@ def dequantized_twin(model):
     return twin
 
 
-@pytest.mark.parametrize("family,quantize", [("mixtral", "int8"), ("gpt_oss", "int4"), ("qwen3_moe", "int8")])
+def dequantization_error_within_half_a_step(stack: QuantizedStack, weight: torch.Tensor) -> bool:
+    """Whether every dequantized weight of `stack` lies within half its row's (int8) or block's (int4) step."""
+    experts, outputs, inputs = weight.shape
+    error = (stack.gather(torch.arange(experts), torch.float32) - weight.float()).abs()
+    if stack.bits == 8:
+        step = stack.scales[..., None]
+    else:  # dm: (d, d, m, m) a step of 64 inputs, for its blocks 2c and 2c + 1 of 32
+        step = stack.dm.float().view(experts, outputs, -1, 2, 2)[:, :, :, 0].reshape(experts, outputs, -1)
+        step = step.repeat_interleave(32, dim=-1)
+    return bool(torch.all(error <= step * 0.51 + 1e-4))
+
+
+@pytest.mark.parametrize("family,quantize", [("gpt_oss", "int4"), ("qwen3_moe", "int8")])
 def test_quantized_experts_compute_the_float_model_of_their_dequantized_codes(hf_checkpoints, family, quantize):
-    """`--quantize` on a mixture of experts: its stacks as int8 codes with a scale a row, or int4
-    with a scale and minimum a group of 32 (expert_quant.py), each within half a step of the float
-    weight; the router stays float. The quantized model's tokens (eager, batch 4: decode gathers,
-    prefill runs every expert) are those of its twin holding the dequantized values as floats, and
-    compiled gives them too where the model computes in float32 (int8 and int4 take staticrt's
-    kernels here; Qwen3-MoE's 96-wide attention takes torchao's, in bfloat16)."""
+    """`--quantize` on a mixture of experts: its stacks as codes in the a8 kernels' layouts
+    (expert_quant.py), each weight within half a step of the float one; the router stays float.
+    Where a step dequantizes what it gathers (int4; torchao's int8, which Qwen3-MoE's 96-wide
+    attention takes, in bfloat16), the model's tokens (eager, batch 4: decode gathers, prefill runs
+    every expert) are those of its twin holding the dequantized values as floats, and compiled
+    gives them too where the model computes in float32."""
     model = staticrt.load_model(hf_checkpoints[family][0], quantize=quantize)
     floats = staticrt.load_model(hf_checkpoints[family][0], dtype=model.embed_tokens.weight.dtype)  # as it quantized
     layers = lambda m: [moe for moe in m.modules() if isinstance(moe, SparseMoE)]  # noqa: E731
     for ours, theirs in zip(layers(model), layers(floats), strict=True):
         assert type(ours.gate) is torch.nn.Linear and ours.gate.weight.dtype == model.embed_tokens.weight.dtype
         for name in ("gate_up_proj", "down_proj"):
-            stack, weight = getattr(ours.experts, name), getattr(theirs.experts, name)
-            error = (stack.gather(torch.arange(ours.num_experts), torch.float32) - weight.float()).abs()
-            step = stack.scale[..., None] if stack.bits == 8 else stack.scale.repeat_interleave(stack.group, dim=-1)
-            assert torch.all(error <= step / 2 + 1e-6), name
+            stack = getattr(ours.experts, name)
+            assert not stack.kernel and dequantization_error_within_half_a_step(stack, getattr(theirs.experts, name))
     expected = staticrt.Generator(dequantized_twin(model), **OPTIONS).generate(PROMPTS, NEW_TOKENS)
     assert staticrt.Generator(model, **OPTIONS).generate(PROMPTS, NEW_TOKENS) == expected
     if model.embed_tokens.weight.dtype == torch.float32:
         compiled = staticrt.Generator(model, backend="compiled", prefill_buckets=[64], **OPTIONS)
         assert compiled.generate(PROMPTS, NEW_TOKENS) == expected
+
+
+def test_int8_experts_decode_on_the_kernel_as_each_experts_own_int8_linear(hf_checkpoints):
+    """quantize "int8" on this CPU (staticrt's kernels): a decode step runs each token through its
+    k experts' codes in place (`int8_experts`), exactly as `int8_linear` over each chosen expert's
+    own rows would, and the router stays float; compiled gives eager's tokens."""
+    model = staticrt.load_model(hf_checkpoints["mixtral"][0], quantize="int8")
+    floats = staticrt.load_model(hf_checkpoints["mixtral"][0])
+    moe, theirs = model.layers[0].mlp, floats.layers[0].mlp
+    assert type(moe.gate) is torch.nn.Linear and torch.equal(moe.gate.weight, theirs.gate.weight)
+    ops = torch.ops.staticrt
+    for name in ("gate_up_proj", "down_proj"):
+        stack = getattr(moe.experts, name)
+        assert stack.kernel and dequantization_error_within_half_a_step(stack, getattr(theirs.experts, name))
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+    for seed in range(4):  # one token a step: k of E experts, the gathered form
+        x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed))
+        weights, chosen = moe._route(moe.gate(x))
+        chosen, order = chosen.sort(dim=-1)
+        want = torch.zeros_like(x)
+        for j, e in enumerate(chosen[0].tolist()):
+            hidden = moe._act(ops.int8_linear(x, gate_up.codes[e], gate_up.scales[e]))
+            want = want + ops.int8_linear(hidden, down.codes[e], down.scales[e]) * weights.gather(1, order)[:, j, None]
+        with torch.no_grad():
+            assert torch.equal(moe(x), want)
+    rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(9))  # three tokens, each its own two experts
+    chosen = torch.tensor([[0, 3], [1, 2], [2, 3]])
+    want = [
+        [ops.int8_linear(rows[t : t + 1], gate_up.codes[e], gate_up.scales[e])[0] for e in c]
+        for t, c in enumerate(chosen.tolist())
+    ]
+    assert torch.equal(moe.experts.project("gate_up_proj", rows, chosen), torch.stack([torch.stack(w) for w in want]))
+    expected = staticrt.Generator(model, **OPTIONS).generate(PROMPTS, NEW_TOKENS)
+    compiled = staticrt.Generator(model, backend="compiled", prefill_buckets=[64], **OPTIONS)
+    assert compiled.generate(PROMPTS, NEW_TOKENS) == expected
 
 
 def test_quantized_experts_export_to_aoti_and_onnx_as_their_codes(hf_checkpoints, tmp_path, monkeypatch):

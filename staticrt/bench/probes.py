@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..config import ModelConfig
 from ..models.a8_linear import A8Linear
 from ..models.decoder import Decoder
+from ..models.expert_quant import QuantizedStack
 from ..models.moe import Experts
 from ..models.packed_linear import PackedLookup
 
@@ -31,7 +32,8 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     their scales when quantized; staticrt's int8-activation kernels' codes and scales are buffers), but of an
     untied embedding table only the looked-up rows, and of a layer's E experts the k a row reads
     (models/moe.py: min(E, rows x k) of them, the most a batch's rows can touch)."""
-    codes = [b for m in model.modules() if isinstance(m, A8Linear) for b in m.buffers(recurse=False)]
+    coded = (A8Linear, QuantizedStack)  # codes and scales held as buffers
+    codes = [b for m in model.modules() if isinstance(m, coded) for b in m.buffers(recurse=False)]
     # A packed lookup's table is the packed head's bytes, counted with the head.
     held = [p for m in model.modules() if not isinstance(m, PackedLookup) for p in m.parameters(recurse=False)]
     total = sum(stored_bytes(p) for p in [*held, *codes])
@@ -40,7 +42,8 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
         total -= embed.numel() * embed.element_size()
         total += batch_size * embed.shape[1] * embed.element_size()
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
-        count, whole = experts.num_experts, sum(stored_bytes(p) for p in experts.parameters())  # codes too
+        whole = sum(stored_bytes(t) for t in [*experts.parameters(), *experts.buffers()])  # codes and scales too
+        count = experts.num_experts
         total -= whole - whole * min(count, batch_size * model.config.experts_per_token) // count
     return total
 

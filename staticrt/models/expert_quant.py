@@ -1,23 +1,22 @@
-"""A mixture of experts' stacked weights at int8 or int4 (`--quantize` on a MoE model): each stack
-held as integer codes, dequantized after the gather, in the graph's own ops.
+"""A mixture of experts' stacked weights at int8 or int4 (`--quantize` on a MoE model), held as the
+a8 kernels' integer codes (a8_linear.py), an expert's rows after another.
 
-Why not the kernels the projections run (staticrt's a8 kernels, torchao's): each takes one matrix
-`[N, K]`, where a decode step's experts are chosen by data, k of E a token (models/moe.py gathers
-them by index). Gathering codes and dequantizing what was gathered keeps every shape static, reads
-k of E experts' codes (1 byte a weight at int8, half a byte at int4, and their scales) where the
-float stack reads 4, and is plain tensor arithmetic that every backend runs: compiled, torch.export
-and AOTInductor, and the ONNX graph (Gather, Cast, Mul; BitwiseAnd and BitShift to unpack int4).
-The float weights it makes are as wide as the step's k experts; a prefill's dense form dequantizes
-each expert once a step. A kernel that multiplies the chosen experts' codes in place would read
-only the codes (the next step for speed, not for memory).
+A decode step's experts are chosen by data, k of E a token (models/moe.py), and the kernels the
+projections run take one matrix. Two ways keep every shape static:
 
-Layouts, for a stack `[E, N, K]` (E experts of N outputs over K inputs):
-- int8: `codes [E, N, K]` int8 and `scale [E, N]` float32, symmetric: w = scale * q with
-  scale = max |w| / 127 over the row (the a8 kernels' int8 weights, one scale an output channel);
-- int4: `codes [E, N, K / 2]` uint8, byte j of a row holding q[2j] (low nibble) and q[2j + 1]
-  (high), and `scale`, `minimum [E, N, K / G]` float32: w = scale * q + minimum, q in 0..15, for
-  each group of G inputs (llama.cpp's Q4_1 numbers; G 32 unless the spec names another group).
-Worked, int4, G 32: input 37 of a row is group 1 (37 // 32), byte 18 (37 // 2), high nibble (37 odd).
+- int8 with staticrt's kernels ("int8-a8", the CPU default): `int8_experts` runs each (token,
+  chosen expert) row through that expert's codes in place, reading k of E experts' codes, a byte
+  a weight, and nothing else (a8_source.py);
+- otherwise (int4, torchao's spec, the ONNX graph, a prefill's dense form) the step gathers the
+  chosen experts' codes and dequantizes them in plain tensor ops, which every backend runs (ONNX:
+  Gather, Cast, Mul; BitwiseAnd and BitShift to unpack int4). It writes the k experts' float
+  weights and reads them again: memory saved, decode slower than float (docs/measurements.md).
+
+Layouts, for a stack `[E, N, K]` (E experts of N outputs over K inputs): int8 `codes [E, N, K]`
+with `scales [E, N]` (w = scale * q, scale = max |w| / 127 of the row); int4 `codes [E, N, K / 2]`
+with float16 `dm [E, N, K / 16]` (w = d * q + m a block of 32, llama.cpp's Q4_1 numbers, packed
+64 weights to 32 bytes as `a8_linear.int4_blocks` says). Worked, int8: expert 3's row 5 is
+`codes[3, 5]`, the kernel's channel 3 * N + 5 of the stack seen as one `[E * N, K]` matrix.
 """
 
 from __future__ import annotations
@@ -30,38 +29,46 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ConfigError
+from .a8_kernels import STEP
+from .a8_linear import Int4Linear, Int8Linear, int4_weight
 from .quant_spec import QuantSpec
 
 
 class QuantizedStack(nn.Module):
-    """One stacked expert weight `[E, N, K]` as codes (the module docstring's layouts)."""
+    """One stacked expert weight `[E, N, K]` as codes, in the a8 kernels' layouts (a8_linear.py):
+    int8 `codes [E, N, K]` and `scales [E, N]`, one an output row; int4 `codes [E, N, K / 2]` and
+    float16 `dm [E, N, K / 16]`, a scale and minimum a block of 32. `kernel`: int8 experts on
+    staticrt's CPU kernel (`int8_experts`, quantize "int8-a8"), which multiplies the chosen experts'
+    codes in place; otherwise what a step gathers is dequantized."""
 
-    def __init__(self, weight: torch.Tensor, bits: int, group: int) -> None:
+    def __init__(self, weight: torch.Tensor, bits: int, kernel: bool) -> None:
         super().__init__()
-        self.bits, self.group, self.inputs = bits, group, weight.shape[-1]
-        w = weight.detach().float()
-        if bits == 8:
-            scale = w.abs().amax(dim=-1) / 127  # [E, N]
-            codes = torch.round(w / torch.where(scale > 0, scale, 1)[..., None]).clamp(-127, 127).to(torch.int8)
-            self.codes, self.scale = nn.Parameter(codes, False), nn.Parameter(scale, False)
-            return
-        grouped = w.view(*w.shape[:-1], -1, group)  # [E, N, K / G, G]
-        low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
-        scale = (high - low) / 15
-        q = torch.round((grouped - low[..., None]) / torch.where(scale > 0, scale, 1)[..., None]).clamp(0, 15)
-        q = q.to(torch.uint8).view(*w.shape[:-1], -1, 2)  # pairs of neighbouring inputs
-        self.codes = nn.Parameter(q[..., 0] | (q[..., 1] << 4), False)  # [E, N, K / 2]
-        self.scale, self.minimum = nn.Parameter(scale, False), nn.Parameter(low, False)
+        experts, outputs, inputs = weight.shape
+        self.bits, self.kernel, self.shape = bits, kernel, (outputs, inputs)
+        layer = (Int8Linear if bits == 8 else Int4Linear)(weight.detach().reshape(experts * outputs, inputs))
+        for name, buffer in layer.named_buffers():
+            if buffer is not None:  # codes and scales (or dm), an expert a row
+                self.register_buffer(
+                    name,
+                    buffer.view(experts, outputs, -1).squeeze(-1) if bits == 8 else buffer.view(experts, outputs, -1),
+                )
 
     def gather(self, index: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
         """The experts at `index` (any shape, or one expert) dequantized: `[*index, N, K]` in `dtype`."""
         codes = self.codes[index]
+        lead = codes.shape[:-2]
         if self.bits == 8:
-            return codes.to(dtype) * self.scale[index].to(dtype)[..., None]
-        q = torch.stack([codes & 15, codes >> 4], dim=-1)  # [..., N, K / 2, 2]: low nibble first
-        q = q.view(*codes.shape[:-1], -1, self.group).to(dtype)  # [..., N, K / G, G]
-        w = q * self.scale[index].to(dtype)[..., None] + self.minimum[index].to(dtype)[..., None]
-        return w.view(*codes.shape[:-1], self.inputs)
+            return codes.to(dtype) * self.scales[index].to(dtype)[..., None]
+        flat = int4_weight(codes.reshape(-1, codes.shape[-1]), self.dm[index].reshape(-1, self.dm.shape[-1]))
+        return flat.view(*lead, *self.shape).to(dtype)
+
+    def project(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert)
+        through the experts `chosen [T, k]`, on the int8 kernel: `[T, k, N]`."""
+        tokens, k = chosen.shape
+        rows = x[:, None].expand(tokens, k, x.shape[-1]) if x.dim() == 2 else x
+        out = torch.ops.staticrt.int8_experts(rows.reshape(tokens * k, -1), self.codes, self.scales, chosen.reshape(-1))
+        return out.view(tokens, k, -1)
 
 
 def quantize_experts(model: nn.Module, spec: QuantSpec) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -70,12 +77,13 @@ def quantize_experts(model: nn.Module, spec: QuantSpec) -> list[tuple[nn.Module,
     what it replaced, (experts, name, float stack), for `experts_quantized` to put back."""
     from .moe import Experts
 
-    group, replaced = spec.group_size or 32, []
+    replaced = []
     for experts in [m for m in model.modules() if isinstance(m, Experts)]:
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(experts, name)
+            kernel = spec.bits == 8 and bool(spec.activations) and weight.shape[-1] % STEP == 0
             delattr(experts, name)
-            setattr(experts, name, QuantizedStack(weight, spec.bits, group))
+            setattr(experts, name, QuantizedStack(weight, spec.bits, kernel))
             replaced.append((experts, name, weight))
     return replaced
 
@@ -95,13 +103,11 @@ def experts_quantized(model: nn.Module, spec: QuantSpec | None) -> Iterator[None
 
 
 def check_experts(config: ModelConfig, spec: QuantSpec) -> None:
-    """Refuse, before any weight changes, an int4 group that does not divide the experts' input sizes."""
-    if not config.num_experts or spec.bits == 8:
-        return
+    """Refuse, before any weight changes, int4 experts whose input sizes are not whole steps of 64
+    (the int4 layout packs 64 weights to 32 bytes)."""
     sizes = sorted({config.hidden_size, config.moe_intermediate_size})
-    group = spec.group_size or 32
-    if any(size % group for size in sizes):
+    if config.num_experts and spec.bits == 4 and any(size % STEP for size in sizes):
         raise ConfigError(
-            f"quantize {spec.name!r}: int4 experts take groups of {group} inputs, and this {config.family} model's "
-            f"experts read {sizes}; use --quantize int8"
+            f"quantize {spec.name!r}: int4 experts are packed {STEP} inputs at a time, and this {config.family} "
+            f"model's experts read {sizes}; use --quantize int8"
         )

@@ -41,6 +41,16 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
+    def project(self, name: str, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert)
+        through `name` (gate_up_proj, down_proj) of the experts `chosen [T, k]` -> `[T, k, N]`:
+        on staticrt's int8 kernel where the stack's codes run there, else over the gathered weights."""
+        stack = getattr(self, name)
+        if getattr(stack, "kernel", False):
+            return stack.project(x, chosen)
+        weights = self.stack(name, chosen, x.dtype)  # [T, k, N, K]
+        return torch.einsum("nh,nkoh->nko", x, weights) if x.dim() == 2 else torch.einsum("nki,nkhi->nkh", x, weights)
+
     def stack(self, name: str, index: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
         """The experts at `index`: their `name` weights (gate_up_proj, down_proj) `[*index, N, K]`,
         gathered from the float stack or dequantized from its codes (expert_quant.py, `--quantize`)."""
@@ -89,10 +99,10 @@ class SparseMoE(nn.Module):
     def _gathered(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each token through its own k experts, whose weights are gathered: `[N, k, 2I, H]`."""
         e = self.experts
-        gate_up = torch.einsum("nh,nkoh->nko", x, e.stack("gate_up_proj", chosen, x.dtype))  # [N, k, 2I]
+        gate_up = e.project("gate_up_proj", x, chosen)  # [N, k, 2I]
         if e.gate_up_proj_bias is not None:
             gate_up = gate_up + e.gate_up_proj_bias[chosen]
-        out = torch.einsum("nki,nkhi->nkh", self._act(gate_up), e.stack("down_proj", chosen, x.dtype))  # [N, k, H]
+        out = e.project("down_proj", self._act(gate_up), chosen)  # [N, k, H]
         if e.down_proj_bias is not None:
             out = out + e.down_proj_bias[chosen]
         total = torch.zeros_like(x)

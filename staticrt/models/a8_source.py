@@ -1,0 +1,222 @@
+"""The C++ of staticrt's int8-activation kernels (a8_kernels.py says what they compute, with a
+worked example, and builds this source once a machine): `int8_linear`, `int4_linear`, and
+`int8_experts`, which runs each row through its own expert's int8 codes (expert_quant.py)."""
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <immintrin.h>
+#include <omp.h>
+
+// Each weight load first asks for the bytes 8 KB ahead: enough misses in flight to stream from DRAM at
+// 34-37 GB/s on 2 EPYC cores, not 25-29 (docs/measurements.md); a prefetch is a hint, never a fault.
+template <class T> inline const T* fetched(const T* p) { _mm_prefetch((const char*)p + 8192, _MM_HINT_T0); return p; }
+
+// x [M, K] float32 -> int8 codes [M, K] and, a block of 32, scales xs [M, B] and code sums times
+// scale [M, B] (what int4's minimums multiply)
+static void quantize_rows(const torch::Tensor& x, std::vector<int8_t>& xq, std::vector<float>& xs,
+                          std::vector<float>& xsum) {
+  const int64_t M = x.size(0), K = x.size(1), B = K / 32;
+  const float* xp = x.data_ptr<float>();
+  xq.resize(M * K), xs.resize(M * B), xsum.resize(M * B);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) {
+      const float* src = xp + m * K + b * 32;
+      float amax = 0;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::abs(src[i]));
+      const float s = amax > 0 ? amax / 127.f : 1.f, inv = 1.f / s;
+      int sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int8_t q = (int8_t)std::nearbyint(src[i] * inv);
+        xq[m * K + b * 32 + i] = q;
+        sum += q;
+      }
+      xs[m * B + b] = s;
+      xsum[m * B + b] = s * sum;
+    }
+}
+
+// `rows` (1..4) channels of int8 codes (w, a channel every K bytes; scales s) against one row's
+// codes xr and block scales xsr -> out[0 .. rows): 4 channels at a time share each activation block
+static inline void int8_rows(const int8_t* xr, const float* xsr, const int8_t* w, const float* s, int64_t K, int rows,
+                             float* out) {
+  const int64_t B = K / 32;
+#if defined(__AVX512VNNI__)
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t c = 0; c < K / 64; ++c) {
+    const __m512i xv = _mm512_loadu_si512(xr + c * 64);
+    const __mmask64 negative = _mm512_movepi8_mask(xv);
+    const __m512i magnitude = _mm512_abs_epi8(xv);
+    const __m512 scale = _mm512_insertf32x8(_mm512_set1_ps(xsr[2 * c]), _mm256_set1_ps(xsr[2 * c + 1]), 1);
+    for (int j = 0; j < rows; ++j) {
+      __m512i wv = _mm512_loadu_si512(fetched(w + j * K + c * 64));
+      wv = _mm512_mask_sub_epi8(wv, negative, zero, wv);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, magnitude, wv)), scale, acc[j]);
+    }
+  }
+  for (int j = 0; j < rows; ++j) out[j] = _mm512_reduce_add_ps(acc[j]) * s[j];
+#else  // AVX2: one block of 32 a step; maddubs takes |x| against w with x's sign (pairs fit int16)
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < B; ++b) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xr + b * 32));
+    const __m256i magnitude = _mm256_sign_epi8(xv, xv);
+    const __m256 scale = _mm256_set1_ps(xsr[b]);
+    for (int j = 0; j < rows; ++j) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)fetched(w + j * K + b * 32));
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv, xv));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), scale, acc[j]);
+    }
+  }
+  for (int j = 0; j < rows; ++j) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    out[j] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter))) * s[j];
+  }
+#endif
+}
+
+// x [M, K] float32 (K % 64 == 0), w [N, K] int8, scales [N] float32 -> [M, N] float32
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / 32;
+  TORCH_CHECK(K % 64 == 0 && w.size(1) == K, "int8_linear: K must be a multiple of 64 and match w");
+  auto y = torch::empty({M, N}, x.options());
+  std::vector<int8_t> xq;
+  std::vector<float> xs, xsum;
+  quantize_rows(x, xq, xs, xsum);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  #pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < N; n0 += 4) {
+    const int rows = (int)std::min<int64_t>(4, N - n0);
+    for (int64_t m = 0; m < M; ++m)
+      int8_rows(xq.data() + m * K, xs.data() + m * B, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0);
+  }
+  return y;
+}
+
+// x [R, K] float32 (K % 64 == 0), codes [E, N, K] int8, scales [E, N] float32, index [R] int64 ->
+// [R, N] float32: row r through expert index[r] (a mixture of experts' step: each token's k
+// chosen experts), reading only the chosen experts' codes
+torch::Tensor int8_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor index) {
+  x = x.contiguous();
+  const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), N = codes.size(1), B = K / 32;
+  TORCH_CHECK(K % 64 == 0 && codes.size(2) == K && index.size(0) == R,
+              "int8_experts: K must be a multiple of 64 and match the codes, and index must have a row of x each");
+  const int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < E, "int8_experts: an expert index outside 0..E-1");
+  auto y = torch::empty({R, N}, x.options());
+  std::vector<int8_t> xq;
+  std::vector<float> xs, xsum;
+  quantize_rows(x, xq, xs, xsum);
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (N + 3) / 4;
+  #pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < R * blocks; ++t) {  // (row, 4 channels of its expert)
+    const int64_t r = t / blocks, n0 = (t % blocks) * 4, e = ip[r];
+    const int rows = (int)std::min<int64_t>(4, N - n0);
+    int8_rows(xq.data() + r * K, xs.data() + r * B, cp + (e * N + n0) * K, sp + e * N + n0, K, rows, yp + r * N + n0);
+  }
+  return y;
+}
+
+// x [M, K] float32 (K % 64 == 0), codes [N, K / 2] uint8 (two a byte, module docstring),
+// dm [N, K / 16] float16 ((d, d, m, m) a 64-weight step) -> [M, N] float32
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm) {
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), B = K / 32, C = K / 64;
+  TORCH_CHECK(K % 64 == 0 && codes.size(1) * 2 == K && dm.size(1) * 16 == K,
+              "int4_linear: K must be a multiple of 64 and match the codes and scales");
+  auto y = torch::empty({M, N}, x.options());
+  std::vector<int8_t> xq;
+  std::vector<float> xs, xsum;
+  quantize_rows(x, xq, xs, xsum);
+  std::vector<float> sS(M * C * 4);  // (s_2c, s_2c+1, S_2c, S_2c+1) a row and step, for (d, d, m, m)
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < C; ++c) {
+      float* out = sS.data() + (m * C + c) * 4;
+      out[0] = xs[m * B + 2 * c], out[1] = xs[m * B + 2 * c + 1];
+      out[2] = xsum[m * B + 2 * c], out[3] = xsum[m * B + 2 * c + 1];
+    }
+  const uint8_t* wp = codes.data_ptr<uint8_t>();
+  const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
+  float* yp = y.data_ptr<float>();
+  #pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < N; n0 += 4) {  // 4 channels at a time share each activation block
+    const int rows = (int)std::min<int64_t>(4, N - n0);
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* xr = xq.data() + m * K;
+      const float* sr = sS.data() + m * C * 4;
+      __m128 mins[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+#if defined(__AVX512VNNI__)
+      const __m512i zero = _mm512_setzero_si512();
+      const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512i xv = _mm512_loadu_si512(xr + c * 64);
+        const __m128 ss = _mm_loadu_ps(sr + c * 4);
+        for (int j = 0; j < rows; ++j) {
+          const __m256i packed = _mm256_loadu_si256((const __m256i*)fetched(wp + (n0 + j) * (K / 2) + c * 32));
+          const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(15));
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(15));
+          const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+          const __m128i halves = _mm_loadl_epi64((const __m128i*)(dmp + (n0 + j) * (K / 16) + c * 4));
+          const __m128 dmv = _mm_mul_ps(_mm_cvtph_ps(halves), ss);  // (d s, d s, m S, m S)
+          const __m512 scale = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dmv));
+          acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, q, xv)), scale, acc[j]);
+          mins[j] = _mm_add_ps(mins[j], dmv);
+        }
+      }
+      for (int j = 0; j < rows; ++j) {
+        const __m128 hi = _mm_movehl_ps(mins[j], mins[j]);  // lanes 2, 3: the minimums' terms
+        const float minimums = _mm_cvtss_f32(_mm_add_ss(hi, _mm_movehdup_ps(hi)));
+        yp[m * N + n0 + j] = _mm512_reduce_add_ps(acc[j]) + minimums;
+      }
+#else  // AVX2: maddubs takes q (unsigned) against xq (pairs fit int16: 2 * 15 * 127)
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t c = 0; c < C; ++c) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xr + c * 64));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xr + c * 64 + 32));
+        const __m128 ss = _mm_loadu_ps(sr + c * 4);
+        for (int j = 0; j < rows; ++j) {
+          const __m256i packed = _mm256_loadu_si256((const __m256i*)fetched(wp + (n0 + j) * (K / 2) + c * 32));
+          const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(15));
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(15));
+          const __m128i halves = _mm_loadl_epi64((const __m128i*)(dmp + (n0 + j) * (K / 16) + c * 4));
+          const __m128 dmv = _mm_mul_ps(_mm_cvtph_ps(halves), ss);  // (d s, d s, m S, m S)
+          const __m256i dot0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, x0), ones);
+          const __m256i dot1 = _mm256_madd_epi16(_mm256_maddubs_epi16(high, x1), ones);
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_broadcastss_ps(dmv), acc[j]);
+          acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_broadcastss_ps(_mm_movehdup_ps(dmv)), acc[j]);
+          mins[j] = _mm_add_ps(mins[j], dmv);
+        }
+      }
+      for (int j = 0; j < rows; ++j) {
+        const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+        const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        const __m128 hi = _mm_movehl_ps(mins[j], mins[j]);
+        yp[m * N + n0 + j] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter))) +
+                             _mm_cvtss_f32(_mm_add_ss(hi, _mm_movehdup_ps(hi)));
+      }
+#endif
+    }
+  }
+  return y;
+}
+
+TORCH_LIBRARY(staticrt, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor dm) -> Tensor");
+  m.def("int8_experts(Tensor x, Tensor codes, Tensor scales, Tensor index) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(staticrt, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_experts", &int8_experts);
+}
+"""
