@@ -24,8 +24,8 @@ Codes are packed 64 weights to 32 bytes: byte j holds q_j (low nibble) and q_j+3
 low nibbles of 32 bytes are block 2c in order and the high ones block 2c+1; each channel's (d, m)
 pairs are float16, as (d_2c, d_2c+1, m_2c, m_2c+1) a 64-weight step.
 
-`int8_experts` is `int8_linear` for a mixture of experts' step: each activation row through the
-int8 codes of its own expert (a token's k chosen ones), read in place (expert_quant.py).
+`int8_experts` and `int4_experts` are those for a mixture of experts' step: each activation row
+through the codes of its own expert (a token's k chosen ones), read in place (expert_quant.py).
 
 Compiled on first use (torch's cpp_extension, ~20 s) into the user cache, once a machine, torch,
 source and instruction set; a later process loads the library.
@@ -112,7 +112,8 @@ def load(quantize: str = "int8-a8") -> None:
         ) from None
     for op in ("int8_linear", "int4_linear"):  # for torch.compile: [M, K] x [N, ...] -> [M, N]
         torch.library.register_fake(f"staticrt::{op}")(_shape)
-    torch.library.register_fake("staticrt::int8_experts")(_experts_shape)  # [R, K] x [E, N, K] -> [R, N]
+    for op in ("int8_experts", "int4_experts"):  # [R, K] x [E, N, ...] -> [R, N]
+        torch.library.register_fake(f"staticrt::{op}")(_experts_shape)
     _loaded = True
 
 

@@ -74,7 +74,7 @@ def int4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int4_weight(codes: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """The float32 weight `[N, K]` that `Int4Linear`'s codes and scales stand for (d * q + m)."""
     n = codes.shape[0]
-    pairs = codes.reshape(n, -1, 1, BLOCK)
+    pairs = codes.reshape(n, -1, 1, BLOCK).to(torch.int32)  # ONNX's BitShift would mix uint8 and int8 types
     q = torch.cat([pairs & 15, pairs >> 4], dim=2).float()  # [N, steps, 2, 32]
     scales = dm.reshape(n, -1, 2, 2).float()  # [N, steps, (d, m), (block 2c, 2c+1)]
     return (q * scales[:, :, 0, :, None] + scales[:, :, 1, :, None]).reshape(n, -1)

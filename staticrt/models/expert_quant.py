@@ -4,10 +4,10 @@ a8 kernels' integer codes (a8_linear.py), an expert's rows after another.
 A decode step's experts are chosen by data, k of E a token (models/moe.py), and the kernels the
 projections run take one matrix. Two ways keep every shape static:
 
-- int8 with staticrt's kernels ("int8-a8", the CPU default): `int8_experts` runs each (token,
-  chosen expert) row through that expert's codes in place, reading k of E experts' codes, a byte
-  a weight, and nothing else (a8_source.py);
-- otherwise (int4, torchao's spec, the ONNX graph, a prefill's dense form) the step gathers the
+- with staticrt's kernels ("int8-a8", "int4-a8", the CPU default): `int8_experts` / `int4_experts`
+  run each (token, chosen expert) row through that expert's codes in place, reading k of E
+  experts' codes, a byte (half a byte) a weight, and nothing else (a8_source.py);
+- otherwise (torchao's specs, the ONNX graph, a prefill's dense form) the step gathers the
   chosen experts' codes and dequantizes them in plain tensor ops, which every backend runs (ONNX:
   Gather, Cast, Mul; BitwiseAnd and BitShift to unpack int4). It writes the k experts' float
   weights and reads them again: memory saved, decode slower than float (docs/measurements.md).
@@ -37,21 +37,20 @@ from .quant_spec import QuantSpec
 class QuantizedStack(nn.Module):
     """One stacked expert weight `[E, N, K]` as codes, in the a8 kernels' layouts (a8_linear.py):
     int8 `codes [E, N, K]` and `scales [E, N]`, one an output row; int4 `codes [E, N, K / 2]` and
-    float16 `dm [E, N, K / 16]`, a scale and minimum a block of 32. `kernel`: int8 experts on
-    staticrt's CPU kernel (`int8_experts`, quantize "int8-a8"), which multiplies the chosen experts'
-    codes in place; otherwise what a step gathers is dequantized."""
+    float16 `dm [E, N, K / 16]`, a scale and minimum a block of 32. `kernel`: on staticrt's CPU
+    kernels (`int8_experts`, `int4_experts`: quantize "int8-a8", "int4-a8"), which multiply the
+    chosen experts' codes in place; otherwise what a step gathers is dequantized."""
 
     def __init__(self, weight: torch.Tensor, bits: int, kernel: bool) -> None:
         super().__init__()
         experts, outputs, inputs = weight.shape
         self.bits, self.kernel, self.shape = bits, kernel, (outputs, inputs)
         layer = (Int8Linear if bits == 8 else Int4Linear)(weight.detach().reshape(experts * outputs, inputs))
-        for name, buffer in layer.named_buffers():
-            if buffer is not None:  # codes and scales (or dm), an expert a row
-                self.register_buffer(
-                    name,
-                    buffer.view(experts, outputs, -1).squeeze(-1) if bits == 8 else buffer.view(experts, outputs, -1),
-                )
+        for (
+            name,
+            buffer,
+        ) in layer.named_buffers():  # codes and scales (or dm) of E * N rows, an expert's N after another
+            self.register_buffer(name, buffer.view(experts, outputs, *buffer.shape[1:]))
 
     def gather(self, index: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
         """The experts at `index` (any shape, or one expert) dequantized: `[*index, N, K]` in `dtype`."""
@@ -64,10 +63,13 @@ class QuantizedStack(nn.Module):
 
     def project(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert)
-        through the experts `chosen [T, k]`, on the int8 kernel: `[T, k, N]`."""
+        through the experts `chosen [T, k]`, on the kernels (`int8_experts`, `int4_experts`): `[T, k, N]`."""
         tokens, k = chosen.shape
-        rows = x[:, None].expand(tokens, k, x.shape[-1]) if x.dim() == 2 else x
-        out = torch.ops.staticrt.int8_experts(rows.reshape(tokens * k, -1), self.codes, self.scales, chosen.reshape(-1))
+        rows = (x[:, None].expand(tokens, k, x.shape[-1]) if x.dim() == 2 else x).reshape(tokens * k, -1)
+        if self.bits == 8:
+            out = torch.ops.staticrt.int8_experts(rows, self.codes, self.scales, chosen.reshape(-1))
+        else:
+            out = torch.ops.staticrt.int4_experts(rows, self.codes, self.dm, chosen.reshape(-1))
         return out.view(tokens, k, -1)
 
 
@@ -81,7 +83,7 @@ def quantize_experts(model: nn.Module, spec: QuantSpec) -> list[tuple[nn.Module,
     for experts in [m for m in model.modules() if isinstance(m, Experts)]:
         for name in ("gate_up_proj", "down_proj"):
             weight = getattr(experts, name)
-            kernel = spec.bits == 8 and bool(spec.activations) and weight.shape[-1] % STEP == 0
+            kernel = bool(spec.activations) and weight.shape[-1] % STEP == 0  # staticrt's kernels run the spec
             delattr(experts, name)
             setattr(experts, name, QuantizedStack(weight, spec.bits, kernel))
             replaced.append((experts, name, weight))
