@@ -140,7 +140,7 @@ class Decoder(nn.Module):
         first rotary embedding, `inv_freq_1` for a second (Gemma 3's local one), each with a
         `_long` twin for LongRoPE (rope.py); Falcon-H1's Mamba2 µP vectors."""
         for layer in self.layers:
-            if getattr(layer, "parallel", False):
+            if layer.parallel:
                 layer.mamba.reset_buffers()
         for i, rope in enumerate(self.config.ropes):
             name = f"inv_freq{f'_{i}' if i else ''}"

@@ -79,8 +79,8 @@ def kernels_for(
     else torchao's weight-only kernels: on CUDA, with `dtype` bfloat16 or float16 (staticrt's take
     float32), where an input size is not a multiple of the bytes the kernels read a step, or where
     the kernels cannot be built here (said in a warning; `build` False, as for `inspect`, which
-    only asks which kernels, does not try). A mixture of experts' stacks are quantized apart from
-    these kernels (expert_quant.py), at the spec's width."""
+    only asks which kernels, does not try). A mixture of experts' stacks are quantized at the
+    spec's width by expert_quant.py, whose decode runs staticrt's experts kernels where these run."""
     check_experts(config, spec)
     if spec.activations is not None:
         return spec
