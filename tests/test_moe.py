@@ -1,7 +1,9 @@
 """Mixtures of experts in fixed shapes (issue 64: Mixtral, Qwen3-MoE, OLMoE, gpt-oss) on tiny random
 checkpoints transformers saved (tests/hf_models.py): greedy tokens equal transformers' at batch 4
 and 1, on every backend and on the sliding cache where the family has windows; a decode step reads
-k of E experts a token; routing sends a batch's tokens to different experts.
+k of E experts a token; routing sends a batch's tokens to different experts. `--quantize` stores
+the experts as int8 or int4 codes (expert_quant.py): on staticrt's kernels each expert's own matrix
+product, elsewhere exactly the float model of the dequantized codes, on eager, compiled, AOTI and ONNX.
 """
 
 from __future__ import annotations
