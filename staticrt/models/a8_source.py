@@ -76,6 +76,30 @@ static inline void int8_rows(const int8_t* xr, const float* xsr, const int8_t* w
 #endif
 }
 
+// run(m, n0, rows) for every row m and each 4 channels n0.. of a matrix of N (rows: 4, or what is
+// left), the channels split between threads: 4 channels at a time share each activation block
+template <class Run> static void each_channel_block(int64_t M, int64_t N, Run run) {
+  #pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < N; n0 += 4)
+    for (int64_t m = 0; m < M; ++m) run(m, n0, (int)std::min<int64_t>(4, N - n0));
+}
+
+// A mixture of experts' step: index [R] (checked in 0..E-1) names the expert row r of x goes
+// through; run(r, n0, rows, channel) for each row and each 4 channels n0.. of its expert, channel
+// being n0's row in the stack seen as one [E * N, K] matrix (expert 3's channel 5: 3 * N + 5)
+template <class Run> static void each_expert_block(const torch::Tensor& index, int64_t R, int64_t E, int64_t N,
+                                                   const char* op, Run run) {
+  TORCH_CHECK(index.size(0) == R, op, ": index must have a row of x each");
+  const int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < E, op, ": an expert index outside 0..E-1");
+  const int64_t blocks = (N + 3) / 4;
+  #pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < R * blocks; ++t) {
+    const int64_t r = t / blocks, n0 = (t % blocks) * 4;
+    run(r, n0, (int)std::min<int64_t>(4, N - n0), ip[r] * N + n0);
+  }
+}
+
 // x [M, K] float32 (K % 64 == 0), w [N, K] int8, scales [N] float32 -> [M, N] float32
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
   x = x.contiguous();
@@ -88,12 +112,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < N; n0 += 4) {
-    const int rows = (int)std::min<int64_t>(4, N - n0);
-    for (int64_t m = 0; m < M; ++m)
-      int8_rows(xq.data() + m * K, xs.data() + m * B, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0);
-  }
+  each_channel_block(M, N, [&](int64_t m, int64_t n0, int rows) {
+    int8_rows(xq.data() + m * K, xs.data() + m * B, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0);
+  });
   return y;
 }
 
@@ -103,10 +124,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
 torch::Tensor int8_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor index) {
   x = x.contiguous();
   const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), N = codes.size(1), B = K / 32;
-  TORCH_CHECK(K % 64 == 0 && codes.size(2) == K && index.size(0) == R,
-              "int8_experts: K must be a multiple of 64 and match the codes, and index must have a row of x each");
-  const int64_t* ip = index.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < E, "int8_experts: an expert index outside 0..E-1");
+  TORCH_CHECK(K % 64 == 0 && codes.size(2) == K, "int8_experts: K must be a multiple of 64 and match the codes");
   auto y = torch::empty({R, N}, x.options());
   std::vector<int8_t> xq;
   std::vector<float> xs, xsum;
@@ -114,13 +132,9 @@ torch::Tensor int8_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + 3) / 4;
-  #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < R * blocks; ++t) {  // (row, 4 channels of its expert)
-    const int64_t r = t / blocks, n0 = (t % blocks) * 4, e = ip[r];
-    const int rows = (int)std::min<int64_t>(4, N - n0);
-    int8_rows(xq.data() + r * K, xs.data() + r * B, cp + (e * N + n0) * K, sp + e * N + n0, K, rows, yp + r * N + n0);
-  }
+  each_expert_block(index, R, E, N, "int8_experts", [&](int64_t r, int64_t n0, int rows, int64_t channel) {
+    int8_rows(xq.data() + r * K, xs.data() + r * B, cp + channel * K, sp + channel, K, rows, yp + r * N + n0);
+  });
   return y;
 }
 
@@ -213,13 +227,10 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < N; n0 += 4) {  // 4 channels at a time share each activation block
-    const int rows = (int)std::min<int64_t>(4, N - n0);
-    for (int64_t m = 0; m < M; ++m)
-      int4_rows(xq.data() + m * K, sS.data() + m * C * 4, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows,
-                yp + m * N + n0);
-  }
+  each_channel_block(M, N, [&](int64_t m, int64_t n0, int rows) {
+    int4_rows(xq.data() + m * K, sS.data() + m * C * 4, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows,
+              yp + m * N + n0);
+  });
   return y;
 }
 
@@ -228,10 +239,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm
 torch::Tensor int4_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor dm, torch::Tensor index) {
   x = x.contiguous();
   const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), N = codes.size(1), C = K / 64;
-  TORCH_CHECK(K % 64 == 0 && codes.size(2) * 2 == K && dm.size(2) * 16 == K && index.size(0) == R,
-              "int4_experts: K must be a multiple of 64 and match the codes and scales, and index a row of x each");
-  const int64_t* ip = index.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < E, "int4_experts: an expert index outside 0..E-1");
+  TORCH_CHECK(K % 64 == 0 && codes.size(2) * 2 == K && dm.size(2) * 16 == K,
+              "int4_experts: K must be a multiple of 64 and match the codes and scales");
   auto y = torch::empty({R, N}, x.options());
   std::vector<int8_t> xq;
   std::vector<float> xs, xsum;
@@ -240,14 +249,10 @@ torch::Tensor int4_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + 3) / 4;
-  #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < R * blocks; ++t) {  // (row, 4 channels of its expert)
-    const int64_t r = t / blocks, n0 = (t % blocks) * 4, channel = ip[r] * N + n0;
-    const int rows = (int)std::min<int64_t>(4, N - n0);
+  each_expert_block(index, R, E, N, "int4_experts", [&](int64_t r, int64_t n0, int rows, int64_t channel) {
     int4_rows(xq.data() + r * K, sS.data() + r * C * 4, cp + channel * (K / 2), dmp + channel * (K / 16), K, rows,
               yp + r * N + n0);
-  }
+  });
   return y;
 }
 
