@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, as_int, check_positive
+from .recurrent_config import RECURRENT_KINDS, check_recurrent_layers
 from .rope_config import RopeConfig
 
 # transformers' model_type of each family the decoder runs (loading/families.py has a row for each)
@@ -43,14 +44,10 @@ FAMILIES = (
 # convolution over the last `conv_kernel` positions (LFM2; models/short_conv.py), or a Mamba2
 # (models/mamba2.py) or gated DeltaNet layer (models/gated_deltanet.py): a convolution, then a recurrent state
 LAYER_KINDS = ("full_attention", "sliding_attention", "conv", "mamba", "deltanet")
-RECURRENT_KINDS = ("conv", "mamba", "deltanet")  # the layers whose cache is a state, not K/V (caches/recurrent.py)
 # The MLP activations models/feed_forward.py implements, by transformers' names: silu (and its alias swish), and
 # the tanh approximation of gelu. Any other would silently run as one of these, so it is refused.
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh")
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
-# A Mamba2 layer's output: RMSNorm of y * silu(z) (Mamba2, Granite), RMSNorm of y then times silu(z),
-# or y * silu(z) without a norm (Falcon-H1's mamba_rms_norm false)
-MAMBA_NORMS = ("gated", "gate_after", "none")
 QK_NORMS = ("head", "width")  # q/k RMSNorm over each head (Qwen3, Gemma 3) or the whole projection (OLMo 2)
 
 
@@ -135,7 +132,7 @@ class ModelConfig:
     ssm_multipliers: tuple[float, ...] = ()  # Mamba2's in_proj parts z, x, B, C, dt times these; (): 1
     mlp_multipliers: tuple[float, ...] = (1.0, 1.0)  # the gate's output before its activation; the MLP's output
     logits_multiplier: float = 1.0  # logits times it (Falcon-H1's lm_head_multiplier; Granite divides)
-    mamba_norm: str = "gated"  # MAMBA_NORMS: how a Mamba2 layer's output y meets its gate z
+    mamba_norm: str = "gated"  # recurrent_config.MAMBA_NORMS: how a Mamba2 layer's output y meets its gate z
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -165,15 +162,7 @@ class ModelConfig:
             raise ConfigError(f"layer_types holds {bad}; staticrt knows {list(LAYER_KINDS)}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
-        recurrent = sorted(set(self.layer_types) & set(RECURRENT_KINDS))
-        if recurrent and not (isinstance(self.conv_kernel, int) and self.conv_kernel >= 1):
-            raise ConfigError(
-                f"layer_types has {recurrent[0]} layers but conv_kernel is {self.conv_kernel!r}; restore config.json"
-            )
-        if "mamba" in self.layer_types:
-            self._check_mamba()
-        if "deltanet" in self.layer_types:
-            self._check_deltanet()
+        check_recurrent_layers(self)
         self._check_additions()
         self._check_experts()
 
@@ -191,10 +180,6 @@ class ModelConfig:
             raise ConfigError(f"nope_layers {list(self.nope_layers)} names layers outside 0..{self.num_layers - 1}")
         if self.qk_norm not in (None, *QK_NORMS):
             raise ConfigError(f"qk_norm {self.qk_norm!r} is not one of {list(QK_NORMS)}")
-        if self.mamba_norm not in MAMBA_NORMS:
-            raise ConfigError(f"mamba_norm {self.mamba_norm!r} is not one of {list(MAMBA_NORMS)}")
-        if self.ssm_multipliers and len(self.ssm_multipliers) != 5:
-            raise ConfigError(f"ssm_multipliers holds {len(self.ssm_multipliers)} values (z, x, B, C, dt: 5)")
         for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
             check_positive(self, name, name)
         if self.attention_multiplier is not None:
@@ -207,24 +192,6 @@ class ModelConfig:
                         f"longrope short_factor and long_factor must each hold rotary width / 2 = {rotary // 2} "
                         f"values (they hold {len(rope.short_factor)} and {len(rope.long_factor)}); restore config.json"
                     )
-
-    def _check_mamba(self) -> None:
-        for name in ("mamba_heads", "mamba_head_dim", "mamba_state", "mamba_groups", "mamba_chunk"):
-            as_int(getattr(self, name), name, 1, ConfigError)
-        if self.mamba_heads % self.mamba_groups:
-            raise ConfigError(
-                f"mamba_n_groups ({self.mamba_groups}) must divide mamba_n_heads ({self.mamba_heads}); "
-                "restore config.json"
-            )
-
-    def _check_deltanet(self) -> None:
-        for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim"):
-            as_int(getattr(self, name), name, 1, ConfigError)
-        if self.linear_value_heads % self.linear_key_heads:
-            raise ConfigError(
-                f"linear_num_key_heads ({self.linear_key_heads}) must divide linear_num_value_heads "
-                f"({self.linear_value_heads}); restore config.json"
-            )
 
     def _check_experts(self) -> None:
         if not self.num_experts:
