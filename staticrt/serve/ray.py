@@ -5,9 +5,8 @@ cache's rows, `max_ongoing_requests` = rows), behind the same OpenAI app as `sta
 The handle call carries the prompt (`EngineCall.prompt`: its token ids as characters), so Ray's
 prefix-cache-affinity router sends a request to the replica whose rows saw its prefix while the
 replicas' loads are even. Ray queues what no replica has a row for, up to `max_queued_requests`,
-and refuses the rest (HTTP 429). A replica that dies before a request streamed anything has the
-request sent to another (`RETRIES` times); one that dies after ends the stream with an error event,
-since the tokens sent cannot be taken back. Ray's controller replaces the dead replica.
+and refuses the rest (HTTP 429). Ray's controller replaces a replica that dies; what becomes of
+the requests it held is ray_ingress.py's.
 
 Imports Ray: only `staticrt serve --replicas` (the `ray` extra) imports this module.
 """
@@ -20,35 +19,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
 
-from ..errors import GenerationError, StaticrtError
-from .job import Completion, Event
-from .scheduler import NotAdmitting, QueueFull
+from ..errors import StaticrtError
+from .job import Event
+from .ray_ingress import EngineCall, Ingress, refusal_status
 
-# Other replicas a request is sent to when its replica dies before it streamed a token.
-RETRIES, RETRY_WAIT_S = 4, 0.25
-LOST = (ActorDiedError, ActorUnavailableError, RayActorError)
 # Ray's prefix-affinity router; importing it through ray.serve.llm would import pyarrow and more.
 PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
-
-
-@dataclass(frozen=True)
-class EngineCall:
-    """One request as a replica takes it. `prompt` is what Ray's prefix router matches: the
-    prompt's token ids, one character each (U+E000 on, past the surrogates), so that a shared
-    prefix of characters is a shared prefix of tokens, which is what a row can keep."""
-
-    prompt: str
-    completion: Completion
-    interval: int
-
-
-def call_for(completion: Completion, interval: int) -> EngineCall:
-    return EngineCall("".join(chr(0xE000 + t) for t in completion.prompt), completion, interval)
 
 
 class Engine:
@@ -75,7 +53,7 @@ class Engine:
                 call.completion, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), call.interval
             )
         except StaticrtError as err:
-            yield Event("error", status=_status(err), message=str(err))
+            yield Event("error", status=refusal_status(err), message=str(err))
             return
         try:
             yield Event("admitted", message=self.name)
@@ -90,131 +68,6 @@ class Engine:
     def __del__(self) -> None:  # Ray calls it once the replica's requests drained
         if hasattr(self, "scheduler"):  # not when `build` failed
             self.scheduler.stop()
-
-
-def _status(err: StaticrtError) -> int:
-    return 429 if isinstance(err, QueueFull) else 503 if isinstance(err, NotAdmitting) else 400
-
-
-class ReplicaMetrics:
-    """The ingress's `/metrics`: requests by the replica that served them, retries, lost streams."""
-
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.served = Counter("staticrt_replica_requests", "requests admitted, by replica", ["replica"], registry=r)
-        self.retried = Counter("staticrt_replica_retries", "requests sent again after their replica died", registry=r)
-        self.lost = Counter(
-            "staticrt_replica_lost_streams", "streams ended by an error because their replica died", registry=r
-        )
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class Replicas:
-    """What app.py needs of a scheduler, over the engine deployment's replicas."""
-
-    def __init__(self, engine: Any, tokenizer: Any) -> None:
-        self.engine = engine.options(stream=True)
-        self.tokenizer = tokenizer
-        self.metrics = ReplicaMetrics()
-        self.admitting = True
-        self.open: set[RemoteJob] = set()
-        self.seen: dict[str, int] = {}  # replica -> requests it admitted
-
-    def start(self) -> None:  # Ray runs the replicas
-        pass
-
-    def stop(self) -> None:
-        self.admitting = False
-
-    def health(self) -> dict[str, Any]:
-        return {"status": "ok", "open_requests": len(self.open), "replicas": dict(self.seen)}
-
-    async def submit(self, completion: Completion, emit: Callable[[Event], None], interval: int = 1) -> RemoteJob:
-        """Admitted by a replica, or QueueFull / NotAdmitting / GenerationError as a scheduler raises."""
-        if not self.admitting:
-            raise NotAdmitting("the server is shutting down and takes no new requests; retry shortly")
-        job = RemoteJob(self, call_for(completion, interval), emit)
-        await job.open()
-        job.task = asyncio.create_task(job.pump())
-        self.open.add(job)
-        job.task.add_done_callback(lambda _: self.open.discard(job))
-        return job
-
-
-class RemoteJob:
-    """A request on a replica: its stream of events, sent again elsewhere while nothing has streamed."""
-
-    def __init__(self, replicas: Replicas, call: EngineCall, emit: Callable[[Event], None]) -> None:
-        self.replicas, self.call, self.emit = replicas, call, emit
-        self.stream: Any = None
-        self.task: asyncio.Task | None = None
-        self.tokens = 0  # streamed to the client
-
-    async def open(self, tries: int = RETRIES + 1) -> None:
-        for attempt in range(tries):
-            self.stream = self.replicas.engine.generate.remote(self.call)
-            try:
-                first = await self.stream.__anext__()
-            except BackPressureError as err:
-                raise QueueFull(f"every replica's rows and the queue are full ({err}); retry shortly") from None
-            except LOST as err:
-                if attempt + 1 == tries:
-                    raise NotAdmitting(f"{tries} replicas died before taking this request ({err}); retry") from None
-                self.replicas.metrics.retried.inc()
-                await asyncio.sleep(RETRY_WAIT_S * 2**attempt)  # while Ray's router learns the replica is gone
-                continue
-            if first.kind == "error":
-                raise {429: QueueFull, 503: NotAdmitting}.get(first.status, GenerationError)(first.message)
-            self.replicas.seen[first.message] = self.replicas.seen.get(first.message, 0) + 1
-            self.replicas.metrics.served.labels(first.message).inc()
-            return
-
-    async def pump(self) -> None:
-        """The replica's events to the client; a lost replica's request goes to another until a token went."""
-        while True:
-            try:
-                async for event in self.stream:
-                    self.tokens += len(event.tokens)
-                    self.emit(event)
-                return
-            except LOST as err:
-                if self.tokens:
-                    self.replicas.metrics.lost.inc()
-                    message = (
-                        f"the replica serving this request died after {self.tokens} streamed tokens "
-                        f"({type(err).__name__}); send the request again"
-                    )
-                    self.emit(Event("error", status=502, message=message))
-                    return
-                self.replicas.metrics.retried.inc()
-                try:
-                    await self.open(RETRIES)
-                except StaticrtError as refusal:
-                    self.emit(Event("error", status=_status(refusal), message=str(refusal)))
-                    return
-
-    def cancel(self) -> None:
-        if self.task is not None:
-            self.task.cancel()
-        if self.stream is not None:
-            self.stream.cancel()
-
-
-@serve.ingress()
-class Ingress:
-    """The OpenAI app (app.py) over `Replicas`; its limits and tokenizer come from a replica."""
-
-    def __init__(self, engine: Any, api_key: str | None, stream_interval: int) -> None:
-        self.engine, self.api_key, self.stream_interval = engine, api_key, stream_interval
-
-    async def __serve_build_asgi_app__(self) -> Any:
-        from .app import create_app
-
-        limits, tokenizer = await self.engine.describe.remote()
-        replicas = Replicas(self.engine, tokenizer)
-        return create_app(replicas, limits, api_key=self.api_key, stream_interval=self.stream_interval)
 
 
 # The ingress passes every request on at once; the engine's rows and Ray's queue bound them.
