@@ -166,8 +166,8 @@ def test_llamacpp_and_quantized_runs_are_refused_before_anything_loads(tmp_path)
     with pytest.raises(BenchError) as refused:
         run_bench("tiny-gemma2", ["eager"], gguf=("Q4_0",))
     assert str(refused.value) == (
-        "--gguf Q4_0: writes a float Llama, Qwen3, Qwen3-MoE, Gemma 3, Phi-3 or LFM2 model (no biases, default RoPE) "
-        "as F32, Q8_0, Q4_0, Q4_1; this model has family 'gemma2': pass a GGUF file of it instead"
+        "--gguf Q4_0: writes a float Llama, Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3 or LFM2 model (no biases, "
+        "default RoPE) as F32, Q8_0, Q4_0, Q4_1; this model has family 'gemma2': pass a GGUF file of it instead"
     )
     with pytest.raises(BenchError, match="^--gguf runs llama.cpp at batch 1 on its own cache; drop --batch-size"):
         run_bench("tiny-llama", ["eager"], batch_size=2, gguf=(str(tmp_path / "missing.gguf"),))

@@ -189,8 +189,8 @@ def test_an_unknown_family_is_refused_by_name_with_what_runs(tmp_path):
 
 # Each family whose GGUF transformers reads, as its reader takes it: what it leaves to the config
 # class's defaults (Qwen3's head_dim 128, Gemma 3's query_pre_attn_scalar, local base and 5:1
-# layers, Phi-3's full rotary, Qwen3-MoE's expert width 768 and its experts on every layer) set
-# to those defaults.
+# layers, Phi-3's full rotary, Qwen3-MoE's expert width 768 and its experts on every layer, a
+# Mixtral's window, which llama.cpp's Llama lacks) set to those defaults.
 GGUF_CASES = {
     "qwen3": dict(head_dim=128),
     "gemma3_text": dict(
@@ -205,6 +205,7 @@ GGUF_CASES = {
     "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
     "qwen3_moe": dict(head_dim=128, mlp_only_layers=[], moe_intermediate_size=768),  # its experts 3-D, as llama.cpp's
     "lfm2": {},  # its conv layers marked by 0 K/V heads, the conv weights [C, K]
+    "mixtral": dict(sliding_window=None),  # a "llama" GGUF with experts, which transformers reads without them
 }
 
 

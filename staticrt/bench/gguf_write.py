@@ -1,8 +1,8 @@
-"""A Llama, Qwen3, Qwen3-MoE, Gemma 3, Phi-3 or LFM2 `Decoder` written as a GGUF file llama.cpp runs, so `bench --gguf
-Q4_0` can time llama.cpp on the very weights staticrt runs (a preset has no GGUF of its own), and the
-tests can convert each family's GGUF back through transformers' reader.
+"""A Llama, Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3 or LFM2 `Decoder` written as a GGUF file
+llama.cpp runs, so `bench --gguf Q4_0` can time llama.cpp on the very weights staticrt runs (a
+preset has no GGUF of its own), and the tests can convert each family's GGUF back through transformers' reader.
 
-The layout is llama.cpp's own converter's (convert_hf_to_gguf.py: `LlamaModel`, `Qwen3Model`,
+The layout is llama.cpp's own converter's (convert_hf_to_gguf.py: `LlamaModel` (Mixtral's too), `Qwen3Model`,
 `Gemma3Model`, `Phi3MiniModel`, `LFM2Model`): its tensor names, Llama's Q and K rows permuted for its interleaved
 RoPE (the others rotate in halves, as transformers does, and keep their order), Gemma's norms stored
 as 1 + w, Phi-3's fused q/k/v and gate/up, the projections in the asked block type
@@ -50,6 +50,7 @@ ARCHITECTURES = {
         },
     ),
     "qwen3_moe": ("qwen3moe", SPLIT | NORMS | QK_NORMS | EXPERTS),
+    "mixtral": ("llama", SPLIT | NORMS | EXPERTS),  # llama.cpp's Mixtral: a Llama with experts
     # LFM2: its conv layers' tensors (the conv `[C, 1, K]` as llama.cpp's `[C, K]`), its final norm as token_embd_norm
     "lfm2": (
         "lfm2",
@@ -89,6 +90,7 @@ def check_writable(model: Decoder, qtype: str) -> None:
             (f"rope {c.rope.kind!r}", c.rope.kind != "default"),
             ("a partial rotary", c.rotary_dim != c.head_dim),
             ("quantized weights", model.quantization is not None),
+            ("a Mixtral's sliding window, which llama.cpp's Llama lacks", c.family == "mixtral" and c.sliding_window),
             (
                 "Gemma 3 settings other than its defaults (query_pre_attn_scalar 256, local base 10000, 5:1 layers)",
                 gemma3 and not _gemma3_defaults(c),
@@ -98,9 +100,9 @@ def check_writable(model: Decoder, qtype: str) -> None:
     ]
     if unsupported or qtype not in GGUF_TYPES:
         raise BenchError(
-            f"--gguf {qtype}: writes a float Llama, Qwen3, Qwen3-MoE, Gemma 3, Phi-3 or LFM2 model (no biases, default "
-            f"RoPE) as {', '.join(GGUF_TYPES)}; this model has {', '.join(unsupported) or 'no such type'}: pass a GGUF "
-            "file of it instead"
+            f"--gguf {qtype}: writes a float Llama, Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3 or LFM2 model (no "
+            f"biases, default RoPE) as {', '.join(GGUF_TYPES)}; this model has "
+            f"{', '.join(unsupported) or 'no such type'}: pass a GGUF file of it instead"
         )
 
 
@@ -152,8 +154,10 @@ def _add_hyperparameters(writer: Any, c: ModelConfig) -> None:
     if c.num_experts:
         writer.add_expert_count(c.num_experts)
         writer.add_expert_used_count(c.experts_per_token)
-        writer.add_expert_feed_forward_length(c.moe_intermediate_size)
-        writer.add_expert_weights_norm(c.router_renormalizes)  # Qwen3-MoE's norm_topk_prob
+        if c.moe_intermediate_size:  # Mixtral's experts are feed_forward_length wide
+            writer.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if c.family != "mixtral":  # llama.cpp renormalises a Llama's k weights always
+            writer.add_expert_weights_norm(c.router_renormalizes)  # Qwen3-MoE's norm_topk_prob
 
 
 def write_gguf(model: Decoder, path: str | Path, qtype: str) -> Path:

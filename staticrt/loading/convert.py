@@ -3,7 +3,8 @@
 transformers' GGUF loader is the well-kept path: it reads the metadata into a config, maps
 llama.cpp's tensor names to transformers' (undoing the Q/K row permutation llama.cpp applies),
 dequantizes every weight type the `gguf` library knows (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K,
-Q6_K, ...) and rebuilds the tokenizer with its chat template. staticrt writes the result as plain
+Q6_K, ...) and rebuilds the tokenizer with its chat template; a Mixtral, which it reads as a
+dense Llama, gets its experts from gguf_mixtral.py. staticrt writes the result as plain
 safetensors, since transformers refuses to save a model it loaded from GGUF. The folder is written
 as an artifact is (`write_folder`): beside the target, swapped in whole, removed on failure or
 SIGTERM. Needs the `gguf` extra (gguf, transformers, accelerate).
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from ..artifacts.write import check_place, write_folder
 from ..errors import CheckpointError, first_line
 from ..models import gguf_blocks
+from .gguf_mixtral import dense_mlp_unreported, is_mixtral, mixtral_parts
 
 EXTRA = "pip install 'staticrt[gguf]'"
 # llama.cpp's architecture name -> the family transformers' GGUF reader loads it as, for the
@@ -49,9 +51,10 @@ def _require_extra() -> None:
         raise CheckpointError(f"staticrt convert needs {', '.join(missing)} (the gguf extra): {EXTRA}")
 
 
-def _check_gguf(source: Path) -> None:
+def _check_gguf(source: Path) -> bool:
     """Refuse, before transformers reads it, a file that is not a whole GGUF: empty, another
-    format, or cut short (its header names more tensor data than the file holds)."""
+    format, or cut short (its header names more tensor data than the file holds), or of an
+    architecture transformers' reader does not give. True for a Mixtral (gguf_mixtral.py)."""
     import gguf
 
     with source.open("rb") as f:
@@ -69,19 +72,13 @@ def _check_gguf(source: Path) -> None:
         ) from None
     field = reader.fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else None
-    experts = reader.fields.get(f"{architecture}.expert_count")
-    if architecture == "llama" and experts is not None and int(experts.parts[experts.data[0]][0]) > 0:
-        raise CheckpointError(
-            f"{source.name} holds a Mixtral (llama.cpp writes it as a 'llama' model with experts), which "
-            "transformers' GGUF reader reads as a dense Llama without them; convert the model's safetensors "
-            "checkpoint folder instead (staticrt run --model FOLDER)"
-        )
     if architecture not in GGUF_FAMILIES:
         raise CheckpointError(
             f"{source.name} holds a {architecture!r} model; staticrt convert reads GGUF through transformers, "
             f"whose reader gives staticrt the architectures {', '.join(GGUF_FAMILIES)}: convert the model's "
             "safetensors checkpoint folder instead (staticrt run --model FOLDER)"
         )
+    return is_mixtral(reader, source)
 
 
 def _kept_projections(source: Path) -> tuple[str, dict[str, Any]]:
@@ -153,7 +150,7 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
     if target.exists() and any(target.iterdir()):
         raise CheckpointError(f"{target} exists and is not an empty folder; choose a new output folder")
     _require_extra()
-    _check_gguf(source)
+    mixtral = _check_gguf(source)
     spec, projections = _kept_projections(source) if keep_quantized else (None, {})
     import torch
     import transformers
@@ -165,21 +162,27 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
         on_stage("tokenizer and chat template")
         transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(work)
         on_stage("dequantizing the weights")
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
+        with dense_mlp_unreported() if mixtral else nullcontext():
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        if mixtral:
+            on_stage("dequantizing the experts (transformers' reader reads a Llama without them)")
+            config, state = mixtral_parts(source, model)
+        else:
+            config, state = model.config, model.state_dict()
+        state = {k: v.contiguous() for k, v in state.items()}
+        if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # the embedding, shared
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config  # the float weights written are plain float32
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the float weights written are plain float32
         if keep_quantized:
             on_stage(f"keeping the codes of {len(projections)} tensors (projections as {spec})")
             for weight, blocks in _kept_blocks(projections, state, name).items():
                 del state[weight]
                 state.update({f"{weight}.{field}": tensor for field, tensor in blocks.items()})
-            model.config.quantization_config = {"quant_method": gguf_blocks.QUANT_METHOD, "weights": spec}
+            config.quantization_config = {"quant_method": gguf_blocks.QUANT_METHOD, "weights": spec}
         on_stage("writing model.safetensors")
         save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
-        model.config.save_pretrained(work)
+        config.save_pretrained(work)
         model.generation_config.save_pretrained(work)
 
     with _quiet():
