@@ -12,6 +12,7 @@ SIGTERM. Needs the `gguf` extra (gguf, transformers, accelerate).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -150,43 +151,67 @@ def convert_gguf(source: Path, target: Path, on_stage: Stage = lambda what: None
     if target.exists() and any(target.iterdir()):
         raise CheckpointError(f"{target} exists and is not an empty folder; choose a new output folder")
     _require_extra()
-    mixtral = _check_gguf(source)
-    spec, projections = _kept_projections(source) if keep_quantized else (None, {})
-    import torch
-    import transformers
-    from safetensors.torch import save_file
+    with _read_once():  # one parse of the file for every reader of it
+        mixtral = _check_gguf(source)
+        spec, projections = _kept_projections(source) if keep_quantized else (None, {})
+        import torch
+        import transformers
+        from safetensors.torch import save_file
 
-    folder, name = str(source.parent), source.name
+        folder, name = str(source.parent), source.name
 
-    def build(work: Path) -> None:
-        on_stage("tokenizer and chat template")
-        transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(work)
-        on_stage("dequantizing the weights")
-        with dense_mlp_unreported() if mixtral else nullcontext():
-            model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        if mixtral:
-            on_stage("dequantizing the experts (transformers' reader reads a Llama without them)")
-            config, state = mixtral_parts(source, model)
-        else:
-            config, state = model.config, model.state_dict()
-        state = {k: v.contiguous() for k, v in state.items()}
-        if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # the embedding, shared
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config  # the float weights written are plain float32
-        if keep_quantized:
-            on_stage(f"keeping the codes of {len(projections)} tensors (projections as {spec})")
-            for weight, blocks in _kept_blocks(projections, state, name).items():
-                del state[weight]
-                state.update({f"{weight}.{field}": tensor for field, tensor in blocks.items()})
-            config.quantization_config = {"quant_method": gguf_blocks.QUANT_METHOD, "weights": spec}
-        on_stage("writing model.safetensors")
-        save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
-        config.save_pretrained(work)
-        model.generation_config.save_pretrained(work)
+        def build(work: Path) -> None:
+            on_stage("tokenizer and chat template")
+            transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(work)
+            on_stage("dequantizing the weights")
+            with dense_mlp_unreported() if mixtral else nullcontext():
+                model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+            if mixtral:
+                on_stage("dequantizing the experts (transformers' reader reads a Llama without them)")
+                config, state = mixtral_parts(source, model)
+            else:
+                config, state = model.config, model.state_dict()
+            state = {k: v.contiguous() for k, v in state.items()}
+            if config.tie_word_embeddings:
+                state.pop("lm_head.weight", None)  # the embedding, shared
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config  # the float weights written are plain float32
+            if keep_quantized:
+                on_stage(f"keeping the codes of {len(projections)} tensors (projections as {spec})")
+                for weight, blocks in _kept_blocks(projections, state, name).items():
+                    del state[weight]
+                    state.update({f"{weight}.{field}": tensor for field, tensor in blocks.items()})
+                config.quantization_config = {"quant_method": gguf_blocks.QUANT_METHOD, "weights": spec}
+            on_stage("writing model.safetensors")
+            save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
+            config.save_pretrained(work)
+            model.generation_config.save_pretrained(work)
 
-    with _quiet():
-        return write_folder(target, build, CheckpointError)
+        with _quiet():
+            return write_folder(target, build, CheckpointError)
+
+
+@contextmanager
+def _read_once() -> Iterator[None]:
+    """Every `gguf.GGUFReader` of a file made in the block is its first one. Ours and transformers'
+    (config, tokenizer, weights) read the file five times, and a reader parses every metadata field
+    on construction: SmolLM2's 49,152-piece vocabulary took 8.3 s a read on a 2-core EPYC, 42 s of
+    a 65 s conversion. The readers only read."""
+    import gguf
+
+    original, made = gguf.GGUFReader, {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in made:
+            made[key] = original(path, mode)
+        return made[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 @contextmanager
