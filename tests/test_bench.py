@@ -125,6 +125,17 @@ def test_offload_and_window_benches_are_separate():
         run_bench("tiny-llama", ["eager"], prompt_len=64, window=64, offload=True)
 
 
+def test_the_window_bench_refuses_a_model_that_is_not_a_llama_or_mistral():
+    """It runs the model as a Mistral with every layer sliding: Gemma 2's norms and soft-capping
+    (or a recurrent model's layers) would silently become another model."""
+    with pytest.raises(BenchError) as refused:
+        run_bench("tiny-gemma2", ["eager"], new_tokens=8, prompt_len=80, window=64)
+    assert str(refused.value) == (
+        "--window runs the model as a Mistral with every layer sliding, which a 'gemma2' model is not (its own "
+        "layers and weights would change); use a llama or mistral model (bench-llama, smollm2), or leave --window out"
+    )
+
+
 def test_onnx_bench_exports_and_runs_the_same_tokens_as_eager():
     report = run_bench("tiny-llama", ["eager", "onnx"], new_tokens=8, prompt_len=24, repeats=1, device="cpu")
     onnx, eager = report["backends"]["onnx"], report["backends"]["eager"]

@@ -121,9 +121,20 @@ def load_variants(request: BenchRequest, variants: set[str], dtype: torch.dtype,
     return models
 
 
+WINDOWED_FAMILIES = ("llama", "mistral")  # what `with_sliding_window` turns into a Mistral unchanged
+
+
 def with_sliding_window(model: Decoder, window: int) -> Decoder:
     """The same weights as a Mistral-style model whose every layer attends through `window`
-    positions: a window changes masks and caches, never a weight, so one model serves both."""
+    positions: a window changes masks and caches, never a weight, so one model serves both. Only
+    a Llama or Mistral is that model (transformers' contender is rebuilt as a Mistral): another
+    family's norms, biases, rotary or recurrent layers would be dropped, so it is refused."""
+    if model.config.family not in WINDOWED_FAMILIES:
+        raise BenchError(
+            f"--window runs the model as a Mistral with every layer sliding, which a {model.config.family!r} "
+            f"model is not (its own layers and weights would change); use a {' or '.join(WINDOWED_FAMILIES)} "
+            "model (bench-llama, smollm2), or leave --window out"
+        )
     layers = ("sliding_attention",) * model.config.num_layers
     model.config = dataclasses.replace(model.config, family="mistral", sliding_window=window, layer_types=layers)
     return model

@@ -48,7 +48,7 @@ def add_bench_parser(sub: Any) -> None:
         default=None,
         help="give every layer this sliding window and compare, past it, a SlidingWindow cache "
         "with a Static cache of the window and transformers' sliding-window cache "
-        "(needs --prompt-len >= window)",
+        "(a Llama or Mistral model; needs --prompt-len >= window)",
     )
     bench.add_argument(
         "--offload",
