@@ -121,7 +121,7 @@ def test_speculation_is_refused_by_name(models):
     )
 
 
-@pytest.mark.parametrize("kind", ["offloaded", "static-int8"])  # the sink cache refuses it first: no rotary
+@pytest.mark.parametrize("kind", ["offloaded", "sink", "static-int8"])  # sink: named for its Mamba2, not its rotary
 def test_caches_that_cannot_hold_mamba_layers_are_refused_by_name(models, kind):
     with pytest.raises(CacheError) as raised:
         build_cache(models["granitemoehybrid"].config, CacheSpec(kind, 1, 64), torch.float32)

@@ -27,6 +27,7 @@ from ..rope import apply_rope, inverse_frequencies, rope_tables
 from . import masks
 from .base import KVCache
 from .ops import cache_write
+from .recurrent import check_recurrent_kind
 from .spec import CacheSpec
 from .view import LayerView, StepMetadata
 
@@ -40,6 +41,7 @@ class SinkCache(KVCache):
     def __init__(
         self, config: ModelConfig, spec: CacheSpec, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> None:
+        check_recurrent_kind(self.kind, config)  # a recurrent layer first: it, not the rotary, is what to name
         rope = config.rope
         uniform = config.ropes == (rope,) and not config.nope_layers
         if not uniform or rope.kind == "longrope" or rope.attention_factor != 1 or rope.query_scale_beta:
