@@ -18,10 +18,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import ConfigError, GenerationError
+from .openapi import completion_route
 from .protocol import (
     BadRequest,
     Limits,
@@ -93,12 +94,13 @@ def create_app(
     app = FastAPI(title="staticrt", lifespan=lifespan)
 
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
+    text = scheduler.tokenizer is not None  # what the routes' schemas allow (openapi.py)
 
     @app.get("/health")
     async def health() -> dict:
         return scheduler.health()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def metrics() -> Response:
         return Response(scheduler.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
@@ -109,11 +111,11 @@ def create_app(
             "data": [{"id": limits.model, "object": "model", "created": 0, "owned_by": "staticrt"}],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=completion_route(limits, False, text))
     async def completions(request: Request) -> Response:
         return await _complete(request, scheduler, limits, max_body, stream_interval, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=completion_route(limits, True, text))
     async def chat_completions(request: Request) -> Response:
         return await _complete(request, scheduler, limits, max_body, stream_interval, chat=True)
 

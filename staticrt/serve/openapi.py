@@ -1,0 +1,114 @@
+"""The request bodies and answers of the OpenAI routes as JSON Schema, for the server's
+`/openapi.json` (and its `/docs`): the routes read their bodies themselves (protocol.py checks
+every field, counting bytes as they arrive), so FastAPI cannot infer them. The schemas say what
+protocol.py accepts, and the answers list every status it can give, so a client generator, or
+schemathesis fuzzing from the schema (tests/test_openapi.py), sees the server as it is.
+
+The model's own limits (its name, its vocabulary, its context) are in the schema; what depends on
+the request as a whole (the context left after this prompt, text a tokenizer reads) is left to the
+400 answer that names it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .job import MAX_STOP_CHARS, MAX_STOPS
+from .protocol import UNSUPPORTED, Limits
+
+TEXT_PART = {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}, "text": {}}}
+MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]},
+    },
+}
+STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+
+
+def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The completions and chat request bodies protocol.py accepts for the model `limits` names:
+    its name, ids in its vocabulary, at most the context's positions; text (a prompt, stop strings)
+    where it has a tokenizer (`text`), and a chat only then."""
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
+    tokens = {"type": "integer", "minimum": 1}
+    if limits.max_sequence_len is not None:
+        tokens["maximum"] = limits.max_sequence_len - 1  # the prompt holds a position at least
+    common: dict[str, Any] = {
+        "model": {"enum": [limits.model]},
+        "n": {"type": "integer", "minimum": 1, "maximum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+        "seed": {"type": "integer", "minimum": 0},
+        "stop": {"anyOf": [STOP, {"type": "array", "items": STOP, "maxItems": MAX_STOPS}, {"type": "null"}]}
+        if text
+        else {"type": "null"},
+        "stop_token_ids": ids,
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "max_tokens": tokens,
+        # not implemented: refused unless it asks for nothing
+        **{name: {"enum": list(harmless)} for name, harmless in UNSUPPORTED.items()},
+    }
+    prompt = [{"type": "string", "minLength": 1}, ids | {"minItems": 1}][0 if text else 1 :]
+    completion = {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            **common,
+            "prompt": {"anyOf": [*prompt, {"type": "array", "items": {"anyOf": prompt}, "minItems": 1, "maxItems": 1}]},
+        },
+    }
+    chat = {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            **common,
+            "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
+            "max_completion_tokens": tokens,
+            "chat_template_kwargs": {"type": "object"},
+        },
+    }
+    return completion, chat
+
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"}},
+        }
+    },
+}
+REFUSALS = {
+    "400": "a field out of its limits, named in error.param",
+    "401": "an API key is set and the request's is missing or wrong",
+    "413": "the body is over the size limit",
+    "429": "every row and the queue are full (Retry-After: 1)",
+    "503": "the server is shutting down, or the model failed",
+}
+
+
+def completion_route(limits: Limits, chat: bool, text: bool) -> dict[str, Any]:
+    """`openapi_extra` for /v1/completions (`chat` False) or /v1/chat/completions; `text`: the
+    model has a tokenizer."""
+    errors = {
+        code: {"description": why, "content": {"application/json": {"schema": ERROR}}} for code, why in REFUSALS.items()
+    }
+    answer = {"type": "object", "required": ["id", "object", "choices"]}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _bodies(limits, text)[chat]}}},
+        "responses": {
+            "200": {
+                "description": "the answer, whole (JSON) or as server-sent events (`stream`)",
+                "content": {"application/json": {"schema": answer}, "text/event-stream": {"schema": {}}},
+            },
+            **errors,
+        },
+    }
