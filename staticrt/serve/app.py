@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import ConfigError, GenerationError
-from .openapi import completion_route
+from .openapi import KEY_REFUSAL, completion_route
 from .protocol import (
     BadRequest,
     Limits,
@@ -95,27 +96,30 @@ def create_app(
 
     app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     text = scheduler.tokenizer is not None  # what the routes' schemas allow (openapi.py)
+    # the key in the schema: the Guard checks it, this only describes it (auto_error off)
+    secured = dict(dependencies=[Depends(HTTPBearer(auto_error=False))]) if api_key else {}
+    keyed = dict(secured, responses=KEY_REFUSAL) if api_key else {}  # the completions list every refusal
 
     @app.get("/health")
     async def health() -> dict:
         return scheduler.health()
 
-    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
+    @app.get("/metrics", response_class=PlainTextResponse, **keyed)  # Prometheus' text format
     async def metrics() -> Response:
         return Response(scheduler.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **keyed)
     async def models() -> dict:
         return {
             "object": "list",
             "data": [{"id": limits.model, "object": "model", "created": 0, "owned_by": "staticrt"}],
         }
 
-    @app.post("/v1/completions", openapi_extra=completion_route(limits, False, text))
+    @app.post("/v1/completions", openapi_extra=completion_route(limits, False, text), **secured)
     async def completions(request: Request) -> Response:
         return await _complete(request, scheduler, limits, max_body, stream_interval, chat=False)
 
-    @app.post("/v1/chat/completions", openapi_extra=completion_route(limits, True, text))
+    @app.post("/v1/chat/completions", openapi_extra=completion_route(limits, True, text), **secured)
     async def chat_completions(request: Request) -> Response:
         return await _complete(request, scheduler, limits, max_body, stream_interval, chat=True)
 

@@ -95,6 +95,12 @@ REFUSALS = {
 }
 
 
+# what a keyed route without the key answers (`create_app`'s `api_key`)
+KEY_REFUSAL: dict[int | str, dict[str, Any]] = {
+    401: {"description": REFUSALS["401"], "content": {"application/json": {"schema": ERROR}}}
+}
+
+
 def completion_route(limits: Limits, chat: bool, text: bool) -> dict[str, Any]:
     """`openapi_extra` for /v1/completions (`chat` False) or /v1/chat/completions; `text`: the
     model has a tokenizer."""
