@@ -28,10 +28,15 @@ MESSAGE = {
 STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
 
+def _distinct(values: tuple) -> list:
+    """`values` without those equal in JSON to one before them (0.0 after 0): an enum's items are unique."""
+    return [v for i, v in enumerate(values) if v not in values[:i]]
+
+
 def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """The completions and chat request bodies protocol.py accepts for the model `limits` names:
     its name, ids in its vocabulary, at most the context's positions; text (a prompt, stop strings)
-    where it has a tokenizer (`text`), and a chat only then."""
+    where it has a tokenizer (`text`; without one, a chat is a 400 that names the tokenizer)."""
     ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": limits.vocab_size - 1}}
     tokens = {"type": "integer", "minimum": 1}
     if limits.max_sequence_len is not None:
@@ -51,7 +56,7 @@ def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
         "max_tokens": tokens,
         # not implemented: refused unless it asks for nothing
-        **{name: {"enum": list(harmless)} for name, harmless in UNSUPPORTED.items()},
+        **{name: {"enum": _distinct(harmless)} for name, harmless in UNSUPPORTED.items()},
     }
     prompt = [{"type": "string", "minLength": 1}, ids | {"minItems": 1}][0 if text else 1 :]
     completion = {
