@@ -35,7 +35,8 @@ def _add_serve_parser(sub: Any) -> None:
         '      -d \'{"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}]}\'\n'
         "Each of the cache's rows holds one request; a new request is prefilled into a free row while\n"
         "the others keep decoding, with the same step shapes (no recompiles, CUDA graphs intact).\n"
-        "Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus).",
+        "Endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics (Prometheus), "
+        "/openapi.json (every field and answer, with this model's limits).",
     )
     serve.add_argument("artifact", nargs="?", type=Path, help="an artifact folder (instead of --model)")
     add_model_args(serve, required=False)
