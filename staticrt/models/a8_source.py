@@ -11,13 +11,16 @@ SOURCE = r"""
 // 34-37 GB/s on 2 EPYC cores, not 25-29 (docs/measurements.md); a prefetch is a hint, never a fault.
 template <class T> inline const T* fetched(const T* p) { _mm_prefetch((const char*)p + 8192, _MM_HINT_T0); return p; }
 
-// x [M, K] float32 -> int8 codes [M, K] and, a block of 32, scales xs [M, B] and code sums times
-// scale [M, B] (what int4's minimums multiply)
-static void quantize_rows(const torch::Tensor& x, std::vector<int8_t>& xq, std::vector<float>& xs,
-                          std::vector<float>& xsum) {
+// x [M, K] float32 -> int8 codes q [M, K] and, a block of 32, scales s [M, B] and code sums times
+// scale sum [M, B] (what int4's minimums multiply)
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> s, sum;
+};
+static QuantizedRows quantize_rows(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), B = K / 32;
   const float* xp = x.data_ptr<float>();
-  xq.resize(M * K), xs.resize(M * B), xsum.resize(M * B);
+  QuantizedRows r{std::vector<int8_t>(M * K), std::vector<float>(M * B), std::vector<float>(M * B)};
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < B; ++b) {
       const float* src = xp + m * K + b * 32;
@@ -27,12 +30,13 @@ static void quantize_rows(const torch::Tensor& x, std::vector<int8_t>& xq, std::
       int sum = 0;
       for (int i = 0; i < 32; ++i) {
         const int8_t q = (int8_t)std::nearbyint(src[i] * inv);
-        xq[m * K + b * 32 + i] = q;
+        r.q[m * K + b * 32 + i] = q;
         sum += q;
       }
-      xs[m * B + b] = s;
-      xsum[m * B + b] = s * sum;
+      r.s[m * B + b] = s;
+      r.sum[m * B + b] = s * sum;
     }
+  return r;
 }
 
 // `rows` (1..4) channels of int8 codes (w, a channel every K bytes; scales s) against one row's
@@ -106,14 +110,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), B = K / 32;
   TORCH_CHECK(K % 64 == 0 && w.size(1) == K, "int8_linear: K must be a multiple of 64 and match w");
   auto y = torch::empty({M, N}, x.options());
-  std::vector<int8_t> xq;
-  std::vector<float> xs, xsum;
-  quantize_rows(x, xq, xs, xsum);
+  const QuantizedRows xr = quantize_rows(x);
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   each_channel_block(M, N, [&](int64_t m, int64_t n0, int rows) {
-    int8_rows(xq.data() + m * K, xs.data() + m * B, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0);
+    int8_rows(xr.q.data() + m * K, xr.s.data() + m * B, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0);
   });
   return y;
 }
@@ -126,28 +128,25 @@ torch::Tensor int8_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor s
   const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), N = codes.size(1), B = K / 32;
   TORCH_CHECK(K % 64 == 0 && codes.size(2) == K, "int8_experts: K must be a multiple of 64 and match the codes");
   auto y = torch::empty({R, N}, x.options());
-  std::vector<int8_t> xq;
-  std::vector<float> xs, xsum;
-  quantize_rows(x, xq, xs, xsum);
+  const QuantizedRows xr = quantize_rows(x);
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   each_expert_block(index, R, E, N, "int8_experts", [&](int64_t r, int64_t n0, int rows, int64_t channel) {
-    int8_rows(xq.data() + r * K, xs.data() + r * B, cp + channel * K, sp + channel, K, rows, yp + r * N + n0);
+    int8_rows(xr.q.data() + r * K, xr.s.data() + r * B, cp + channel * K, sp + channel, K, rows, yp + r * N + n0);
   });
   return y;
 }
 
 // (s_2c, s_2c+1, S_2c, S_2c+1) a row and 64-value step: the activation blocks' scales and code sums
 // times scale, in the order int4's (d, d, m, m) multiply them
-static std::vector<float> step_scales(const std::vector<float>& xs, const std::vector<float>& xsum, int64_t M,
-                                      int64_t C) {
+static std::vector<float> step_scales(const QuantizedRows& x, int64_t M, int64_t C) {
   std::vector<float> sS(M * C * 4);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < C; ++c) {
       float* out = sS.data() + (m * C + c) * 4;
-      out[0] = xs[m * 2 * C + 2 * c], out[1] = xs[m * 2 * C + 2 * c + 1];
-      out[2] = xsum[m * 2 * C + 2 * c], out[3] = xsum[m * 2 * C + 2 * c + 1];
+      out[0] = x.s[m * 2 * C + 2 * c], out[1] = x.s[m * 2 * C + 2 * c + 1];
+      out[2] = x.sum[m * 2 * C + 2 * c], out[3] = x.sum[m * 2 * C + 2 * c + 1];
     }
   return sS;
 }
@@ -182,7 +181,7 @@ static inline void int4_rows(const int8_t* xr, const float* sr, const uint8_t* w
     const float minimums = _mm_cvtss_f32(_mm_add_ss(hi, _mm_movehdup_ps(hi)));
     out[j] = _mm512_reduce_add_ps(acc[j]) + minimums;
   }
-#else  // AVX2: maddubs takes q (unsigned) against xq (pairs fit int16: 2 * 15 * 127)
+#else  // AVX2: maddubs takes q (unsigned) against xr (pairs fit int16: 2 * 15 * 127)
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t c = 0; c < C; ++c) {
@@ -220,15 +219,13 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm
   TORCH_CHECK(K % 64 == 0 && codes.size(1) * 2 == K && dm.size(1) * 16 == K,
               "int4_linear: K must be a multiple of 64 and match the codes and scales");
   auto y = torch::empty({M, N}, x.options());
-  std::vector<int8_t> xq;
-  std::vector<float> xs, xsum;
-  quantize_rows(x, xq, xs, xsum);
-  const std::vector<float> sS = step_scales(xs, xsum, M, C);
+  const QuantizedRows xr = quantize_rows(x);
+  const std::vector<float> sS = step_scales(xr, M, C);
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   each_channel_block(M, N, [&](int64_t m, int64_t n0, int rows) {
-    int4_rows(xq.data() + m * K, sS.data() + m * C * 4, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows,
+    int4_rows(xr.q.data() + m * K, sS.data() + m * C * 4, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows,
               yp + m * N + n0);
   });
   return y;
@@ -242,15 +239,13 @@ torch::Tensor int4_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor d
   TORCH_CHECK(K % 64 == 0 && codes.size(2) * 2 == K && dm.size(2) * 16 == K,
               "int4_experts: K must be a multiple of 64 and match the codes and scales");
   auto y = torch::empty({R, N}, x.options());
-  std::vector<int8_t> xq;
-  std::vector<float> xs, xsum;
-  quantize_rows(x, xq, xs, xsum);
-  const std::vector<float> sS = step_scales(xs, xsum, R, C);
+  const QuantizedRows xr = quantize_rows(x);
+  const std::vector<float> sS = step_scales(xr, R, C);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   each_expert_block(index, R, E, N, "int4_experts", [&](int64_t r, int64_t n0, int rows, int64_t channel) {
-    int4_rows(xq.data() + r * K, sS.data() + r * C * 4, cp + channel * (K / 2), dmp + channel * (K / 16), K, rows,
+    int4_rows(xr.q.data() + r * K, sS.data() + r * C * 4, cp + channel * (K / 2), dmp + channel * (K / 16), K, rows,
               yp + r * N + n0);
   });
   return y;
