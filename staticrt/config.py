@@ -238,7 +238,9 @@ class ModelConfig:
     def ropes(self) -> tuple[RopeConfig, ...]:
         """The distinct rotary embeddings the layers apply, in layer order: a step computes each
         one's tables once, for every layer that takes it."""
-        return tuple(dict.fromkeys(r for i in range(self.num_layers) if (r := self.layer_rope(i)) is not None))
+        # two comprehensions, no `:=` in one: torch 2.11's dynamo cannot trace that (tests/test_architecture.py)
+        every = [self.layer_rope(i) for i in range(self.num_layers)]
+        return tuple(dict.fromkeys(r for r in every if r is not None))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -90,7 +90,8 @@ def aoti_libraries(archive: zipfile.ZipFile) -> list[tuple[str, str | None]]:
     None where the graph calls no custom op)."""
     names = archive.namelist()
     libraries = [name for name in names if name.endswith(".so") and "/aotinductor/" in name]
-    return [(lib, calls if (calls := lib.removesuffix(".so") + ".json") in names else None) for lib in libraries]
+    calls = [lib.removesuffix(".so") + ".json" for lib in libraries]
+    return [(lib, entry if entry in names else None) for lib, entry in zip(libraries, calls, strict=True)]
 
 
 def sha256(path: Path) -> str:

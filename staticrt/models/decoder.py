@@ -128,9 +128,8 @@ class Decoder(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         # each layer's rotary embedding: an index into `config.ropes`, None for a layer without one
-        self.layer_ropes = [
-            None if (r := config.layer_rope(i)) is None else config.ropes.index(r) for i in range(config.num_layers)
-        ]
+        ropes = [config.layer_rope(i) for i in range(config.num_layers)]
+        self.layer_ropes = [None if r is None else config.ropes.index(r) for r in ropes]
         self.reset_buffers()
         self.quantization = None  # a QuantSpec once `quantize.quantize_weights` ran
         self.packed = False  # linear layers over oneDNN-packed weights once `packed_linear.pack` ran
