@@ -274,7 +274,7 @@ def test_chat_template_kwargs_reach_the_template_as_transformers_passes_them(tmp
         assert text == theirs.apply_chat_template(turn, tokenize=False, add_generation_prompt=True, **(extra or {}))
     assert "<think>" in ours.apply_chat_template(turn, tokenize=False, template_kwargs={"enable_thinking": False})
     body = {"messages": turn, "chat_template_kwargs": {"enable_thinking": False}}
-    assert chat_prompt(body, ours) == ours.apply_chat_template(turn, template_kwargs={"enable_thinking": False})
+    assert chat_prompt(body, ours) == (ours.apply_chat_template(turn, template_kwargs={"enable_thinking": False}), None)
     with pytest.raises(BadRequest, match="chat_template_kwargs sets messages, which the conversation itself gives"):
         chat_prompt({**body, "chat_template_kwargs": {"messages": []}}, ours)
     command = ["run", "--model", str(folder), "--chat", "t5 t6", "--max-new-tokens", "2", "--json"]

@@ -343,7 +343,7 @@ def test_any_body_is_refused_by_name_or_checked_into_range(model, body, chat):
     try:
         check_fields(body)
         tokenizer = model.tokenizer
-        prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, limits.vocab_size)
+        prompt = chat_prompt(body, tokenizer)[0] if chat else completion_prompt(body, tokenizer, limits.vocab_size)
         request = check_request(rows, tokenizer, checked_request(body, prompt, limits, chat))
     except BadRequest as err:
         assert err.param is None or err.param in body or err.param in ("max_tokens", "prompt", "messages")

@@ -23,6 +23,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import ConfigError, GenerationError
+from ..text.tool_calls import ToolCallStream
 from .openapi import KEY_REFUSAL, completion_route
 from .protocol import (
     BadRequest,
@@ -35,6 +36,7 @@ from .protocol import (
     error_body,
 )
 from .scheduler import Event, NotAdmitting, QueueFull, Scheduler
+from .tools import Tools
 
 MAX_BODY = 1 << 20  # bytes; a prompt of the longest context is far below it
 
@@ -147,7 +149,9 @@ async def _complete(
             pass
 
     try:
-        stream, usage, completion = await asyncio.to_thread(_parse, bytes(raw), scheduler.tokenizer, limits, chat)
+        stream, usage, completion, tools = await asyncio.to_thread(
+            _parse, bytes(raw), scheduler.tokenizer, limits, chat
+        )
         job = scheduler.submit(completion, emit, stream_interval if stream else 0)  # whole: one event at its end
         if inspect.isawaitable(job):  # replicas (ray.py) admit through a handle call
             job = await job
@@ -161,16 +165,17 @@ async def _complete(
         return _error(503, str(err))
     reply = Reply(limits.model, chat)
     if stream:
-        return StreamingResponse(_stream(job, events, reply, usage), media_type="text/event-stream")
+        return StreamingResponse(_stream(job, events, reply, usage, tools), media_type="text/event-stream")
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
-        return await _whole(events, reply)
+        return await _whole(events, reply, tools)
     finally:
         watcher.cancel()
 
 
-def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> tuple[bool, bool, Any]:
-    """Whether to stream (and send usage) and the checked request, from the raw body: BadRequest on any fault."""
+def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> tuple[bool, bool, Any, Tools | None]:
+    """Whether to stream (and send usage), the checked request and the tools its answer may call,
+    from the raw body: BadRequest on any fault."""
     try:
         body = json.loads(raw)
     except ValueError as err:  # UnicodeDecodeError included
@@ -178,8 +183,11 @@ def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> tuple[bool
     if not isinstance(body, dict):
         raise BadRequest(f"the body is a JSON {type(body).__name__}; send an object")
     stream, usage = check_fields(body)
-    prompt = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, limits.vocab_size)
-    return stream, usage, completion_request(body, prompt, limits, chat)
+    if chat:
+        prompt, tools = chat_prompt(body, tokenizer)
+    else:
+        prompt, tools = completion_prompt(body, tokenizer, limits.vocab_size), None
+    return stream, usage, completion_request(body, prompt, limits, chat), tools
 
 
 async def _watch_disconnect(request: Request, job: Any) -> None:
@@ -189,7 +197,7 @@ async def _watch_disconnect(request: Request, job: Any) -> None:
     job.cancel()
 
 
-async def _whole(events: asyncio.Queue[Event], reply: Reply) -> Response:
+async def _whole(events: asyncio.Queue[Event], reply: Reply, tools: Tools | None) -> Response:
     text, tokens = [], []
     while True:
         event = await events.get()
@@ -198,28 +206,39 @@ async def _whole(events: asyncio.Queue[Event], reply: Reply) -> Response:
         if event.kind == "token":
             text.append(event.text)
             tokens.extend(event.tokens)
-        else:
-            return JSONResponse(reply.whole("".join(text), tokens, event.finish_reason, event.usage))
+            continue
+        content, calls = ("".join(text), []) if tools is None else tools.read("".join(text))
+        finish = "tool_calls" if calls else event.finish_reason
+        return JSONResponse(reply.whole(content, tokens, finish, event.usage, calls))
 
 
-async def _stream(job: Any, events: asyncio.Queue[Event], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, then `[DONE]`; leaving early cancels the job."""
+async def _stream(
+    job: Any, events: asyncio.Queue[Event], reply: Reply, include_usage: bool, tools: Tools | None
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, then `[DONE]`; leaving early cancels the job.
+    With tools, text that may be a call is held until the answer ends (`ToolCallStream`)."""
 
     def sse(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    calls = None if tools is None else ToolCallStream(tools.names)
     try:
         if reply.chat:
             yield sse(reply.chunk("", [], first=True))
         while True:
             event = await events.get()
             if event.kind == "token":
-                yield sse(reply.chunk(event.text, event.tokens))
+                yield sse(reply.chunk(event.text if calls is None else calls.push(event.text), event.tokens))
             elif event.kind == "error":
                 yield sse(error_body(event.message, "server_error"))
                 break
             else:
-                yield sse(reply.chunk(None if reply.chat else "", [], event.finish_reason))
+                rest, found = ("", []) if calls is None else calls.finish()
+                found = found if tools is None else tools.kept(found)
+                if rest or found:
+                    yield sse(reply.chunk(rest or None, [], calls=found))
+                finish = "tool_calls" if found else event.finish_reason
+                yield sse(reply.chunk(None if reply.chat else "", [], finish))
                 if include_usage:
                     yield sse(reply.usage_chunk(event.usage))
                 break

@@ -17,14 +17,41 @@ from .job import MAX_STOP_CHARS, MAX_STOPS
 from .protocol import UNSUPPORTED, Limits
 
 TEXT_PART = {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}, "text": {}}}
-MESSAGE = {
+CALL = {  # a tool call an assistant's message gave back: its arguments as a JSON object's text
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {"name": {"type": "string"}}}
+    },
+}
+MESSAGE = {  # content may be null in an assistant's message that only called tools
     "type": "object",
     "required": ["role", "content"],
     "properties": {
         "role": {"type": "string"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}, {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": CALL},
+        "tool_call_id": {"type": "string"},
     },
 }
+TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+        },
+    },
+}
+# "required" and a named function force a call, which needs constrained decoding: refused by name
+TOOLS = {"tools": {"type": "array", "items": TOOL}, "tool_choice": {"enum": ["none", "auto"]}}
 STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
 
@@ -64,6 +91,7 @@ def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]
         "required": ["model", "prompt"],
         "properties": {
             **common,
+            **{name: {"enum": [None, neutral]} for name, neutral in (("tools", []), ("tool_choice", "none"))},
             "prompt": {"anyOf": [*prompt, {"type": "array", "items": {"anyOf": prompt}, "minItems": 1, "maxItems": 1}]},
         },
     }
@@ -75,6 +103,8 @@ def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]
             "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
             "max_completion_tokens": tokens,
             "chat_template_kwargs": {"type": "object"},
+            **TOOLS,
+            "parallel_tool_calls": {"type": "boolean"},
         },
     }
     return completion, chat

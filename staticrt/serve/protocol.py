@@ -8,9 +8,11 @@ client can check tokens without a tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +21,11 @@ from ..generation.loop import SamplingParams
 from ..text.chat_template import check_template_kwargs
 from ..text.generation_config import GenerationDefaults
 from ..text.tokenizer import check_text
+from ..text.tool_calls import ToolCall
+from .bad_request import BadRequest, shown
 from .job import check_stops
 from .scheduler import Completion
+from .tools import Tools, check_tools, template_messages
 
 # OpenAI fields staticrt does not implement, with the values that ask for nothing: any other value
 # is refused by name, since ignoring it would answer something other than what was asked.
@@ -35,19 +40,9 @@ UNSUPPORTED = {
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none"),
+    "functions": (None, []),  # the legacy form of tools: send `tools`
     "response_format": (None, {"type": "text"}),
 }
-
-
-class BadRequest(StaticrtError):
-    """A request field out of its limits; `param` names the field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: Any = None) -> dict:
@@ -70,7 +65,7 @@ def _number(body: dict, name: str, low: float, high: float, default: float, low_
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise BadRequest(f"{name} is {_shown(value)}; it must be a number", name)
+        raise BadRequest(f"{name} is {shown(value)}; it must be a number", name)
     if not (low < value if low_open else low <= value) or value > high:
         bracket = "(" if low_open else "["
         raise BadRequest(f"{name} is {value}; it must be in {bracket}{low}, {high}]", name)
@@ -82,7 +77,7 @@ def _integer(body: dict, name: str, low: int, default: int | None) -> int | None
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise BadRequest(f"{name} is {_shown(value)}; it must be an integer >= {low}", name)
+        raise BadRequest(f"{name} is {shown(value)}; it must be an integer >= {low}", name)
     return value
 
 
@@ -99,12 +94,6 @@ def _token_list(value: Any, name: str, vocab: int) -> list[int]:
     return list(value)
 
 
-def _shown(value: Any) -> str:
-    """A client's value for an error message, cut short: a message never echoes a megabyte back."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _text(value: str, name: str) -> str:
     try:
         return check_text(value, name)
@@ -117,13 +106,13 @@ def check_fields(body: dict) -> tuple[bool, bool]:
     for name, harmless in UNSUPPORTED.items():
         if name in body and not any(body[name] == h and type(body[name]) is type(h) for h in harmless):
             raise BadRequest(
-                f"{name} is {_shown(body[name])}: staticrt serve does not implement it, and ignoring it would "
+                f"{name} is {shown(body[name])}: staticrt serve does not implement it, and ignoring it would "
                 "answer something else than asked; leave it out",
                 name,
             )
     stream, options = body.get("stream"), body.get("stream_options")
     if stream is not None and not isinstance(stream, bool):
-        raise BadRequest(f"stream is {_shown(stream)}; it must be true or false", "stream")
+        raise BadRequest(f"stream is {shown(stream)}; it must be true or false", "stream")
     if options is not None and (
         not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)
     ):
@@ -135,6 +124,9 @@ def check_fields(body: dict) -> tuple[bool, bool]:
 
 def completion_prompt(body: dict, tokenizer: Any, vocab: int) -> list[int]:
     """`prompt`: a string, token ids, or a list of one of either (one choice a request)."""
+    for name, neutral in (("tools", (None, [])), ("tool_choice", (None, "none"))):
+        if body.get(name) not in neutral:
+            raise BadRequest(f"{name} is a chat field: send the conversation to /v1/chat/completions", name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -151,8 +143,8 @@ def completion_prompt(body: dict, tokenizer: Any, vocab: int) -> list[int]:
     raise BadRequest("prompt must be a string, a list of token ids, or a list of one of those", "prompt")
 
 
-def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
-    """`messages` rendered with the model's chat template."""
+def chat_prompt(body: dict, tokenizer: Any) -> tuple[list[int], Tools | None]:
+    """`messages` rendered with the model's chat template, with the request's tools (tools.py)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
@@ -165,17 +157,24 @@ def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(str(p.get("text", "")) for p in content)
+        if content is None and message.get("tool_calls"):  # an assistant's turn that only called tools
+            plain.append({**message, "role": _text(message["role"], "messages")})
+            continue
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        plain.append({"role": _text(message["role"], "messages"), "content": _text(content, "messages")})
+        plain.append({**message, "role": _text(message["role"], "messages"), "content": _text(content, "messages")})
+    tools = check_tools(body)
     if tokenizer is None:
         raise BadRequest("chat needs the model's tokenizer.json and chat template, which it has none of", "messages")
     try:  # vLLM's chat_template_kwargs: variables the template reads (Qwen3's enable_thinking)
         extra = check_template_kwargs(body.get("chat_template_kwargs"))
     except StaticrtError as err:
         raise BadRequest(str(err), "chat_template_kwargs") from None
+    if "tools" in extra:
+        raise BadRequest("chat_template_kwargs sets tools; send them in the request's tools", "chat_template_kwargs")
+    plain, variables = template_messages(plain, tools, tokenizer.chat_template)
     try:
-        return tokenizer.apply_chat_template(plain, template_kwargs=extra)
+        return tokenizer.apply_chat_template(plain, template_kwargs={**extra, **variables}), tools
     except StaticrtError as err:
         raise BadRequest(str(err), "messages") from None
 
@@ -232,20 +231,34 @@ class Reply:
     def _wrap(self, obj: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def whole(self, text: str, tokens: list[int], finish_reason: str, usage: dict) -> dict:
+    def whole(
+        self, text: str | None, tokens: list[int], finish_reason: str, usage: dict, calls: Sequence[ToolCall] = ()
+    ) -> dict:
+        """`calls`: the tool calls read out of the answer (`text` then what is left, None if nothing)."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if calls:
+                choice["message"]["tool_calls"] = [_call(c) for c in calls]
         else:
             choice["text"] = text
         return self._wrap(self.object, [choice], usage=usage)
 
-    def chunk(self, text: str | None, tokens: list[int], finish_reason: str | None = None, first: bool = False) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        tokens: list[int],
+        finish_reason: str | None = None,
+        first: bool = False,
+        calls: Sequence[ToolCall] = (),
+    ) -> dict:
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
+            if calls:  # each call whole in one delta, as vLLM sends a call it read at the end
+                delta["tool_calls"] = [{"index": i, **_call(c)} for i, c in enumerate(calls)]
             choice["delta"] = delta
             return self._wrap("chat.completion.chunk", [choice])
         choice["text"] = text or ""
@@ -253,3 +266,8 @@ class Reply:
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
+
+
+def _call(call: ToolCall) -> dict:
+    """A tool call in OpenAI's shape, with an id a `role: tool` answer names it by."""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": dataclasses.asdict(call)}
