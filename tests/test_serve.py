@@ -174,6 +174,33 @@ def test_completions_and_chat_shapes_through_the_openai_client(llama):
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "busy_rows": 0, "queue": 0}
 
 
+def test_n_choices_each_sample_as_a_lone_request_with_seed_plus_its_index(llama):
+    """`n` runs a choice a row: choice i answers as a lone request with seed + i (greedy: all the
+    same), streamed by index; the prompt is counted once in the usage; more choices than rows is a 400."""
+    app, _ = serve_backend(generator(llama).backend, name=MODEL)
+    ask = dict(model=MODEL, prompt=[4, 8, 15, 16], max_tokens=9, temperature=1.0, seed=11)
+    with running(app) as url:
+        api = client(url)
+        alone = [
+            api.completions.create(**{**ask, "seed": 11 + i}).choices[0].model_extra["token_ids"] for i in range(3)
+        ]
+        whole = api.completions.create(**ask, n=3)
+        chunks = list(api.completions.create(**ask, n=3, stream=True, stream_options={"include_usage": True}))
+        greedy = api.completions.create(**{**ask, "temperature": 0}, n=2)
+        with pytest.raises(openai.BadRequestError) as err:
+            api.completions.create(**ask, n=5)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in whole.choices] == alone and alone[0] != alone[1]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (4, 27)
+    streamed = {i: [t for c in chunks[:-1] if c.choices[0].index == i for t in c.choices[0].model_extra["token_ids"]]
+                for i in range(3)}  # fmt: skip
+    assert list(streamed.values()) == alone
+    assert sorted(c.choices[0].index for c in chunks[:-1] if c.choices[0].finish_reason) == [0, 1, 2]
+    assert chunks[-1].usage.completion_tokens == 27
+    assert greedy.choices[0].model_extra["token_ids"] == greedy.choices[1].model_extra["token_ids"]
+    assert err.value.body["param"] == "n" and "this server has 4 rows" in err.value.body["message"]
+
+
 def test_bad_requests_get_400_naming_the_field_and_the_server_keeps_serving(llama):
     app, _ = serve_backend(generator(llama).backend, name=MODEL)
     cases = [

@@ -98,7 +98,9 @@ def schedule_backend(
         for b, widths, how in plan:
             b.prepare(widths, **how)
     _warn_of_the_longrope_switch(backend.rope_restart)
-    limits = Limits(name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults)
+    limits = Limits(
+        name, backend.max_sequence_len, backend.vocab_size, backend.eos_token_ids, defaults, backend.batch_size
+    )
     widest = None if prefiller is None else max(reuse_widths(prefiller))  # an artifact's programs take both
     scheduler = Scheduler(
         backend,

@@ -10,11 +10,13 @@ frees its row at the next step. With an API key every endpoint but /health needs
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import inspect
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -23,7 +25,8 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import ConfigError, GenerationError
-from ..text.tool_calls import ToolCallStream
+from .answers import Choices, Tagged, error_response, stream, whole
+from .job import Completion, Event
 from .openapi import KEY_REFUSAL, completion_route
 from .protocol import (
     BadRequest,
@@ -31,20 +34,14 @@ from .protocol import (
     Reply,
     chat_prompt,
     check_fields,
+    choices_asked,
     completion_prompt,
     completion_request,
-    error_body,
 )
-from .scheduler import Event, NotAdmitting, QueueFull, Scheduler
+from .scheduler import NotAdmitting, QueueFull, Scheduler
 from .tools import Tools
 
 MAX_BODY = 1 << 20  # bytes; a prompt of the longest context is far below it
-
-
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 429: "rate_limit_error"}.get(status, "invalid_request_error")
-    kind = "server_error" if status >= 500 else kind
-    return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
 
 
 class Guard:
@@ -67,11 +64,11 @@ class Guard:
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] != "/health":
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return _error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'")
+                return error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'")
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             size = length.decode(errors="replace")
-            return _error(413, f"the request body is {size} bytes; the limit is {self.max_body}")
+            return error_response(413, f"the request body is {size} bytes; the limit is {self.max_body}")
         return None
 
 
@@ -131,51 +128,66 @@ def create_app(
 async def _complete(
     request: Request, scheduler: Scheduler, limits: Limits, max_body: int, stream_interval: int, chat: bool
 ) -> Response:
-    """Check the body, queue its job, and answer whole or as a stream of events. Everything a
-    request sends is checked before its job exists; parsing, templating and tokenising run in a
-    worker thread, so a megabyte of prompt never holds up the event loop's other clients."""
+    """Check the body, queue its jobs (a choice each), and answer whole or as a stream of events.
+    Everything a request sends is checked before a job exists; parsing, templating and tokenising
+    run in a worker thread, so a megabyte of prompt never holds up the event loop's other clients."""
     raw = bytearray()
     async for piece in request.stream():  # counted as it arrives: a chunked body has no content-length
         raw += piece
         if len(raw) > max_body:
-            return _error(413, f"the request body is over {max_body} bytes, the limit; send less")
+            return error_response(413, f"the request body is over {max_body} bytes, the limit; send less")
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue[Event] = asyncio.Queue()
+    events: asyncio.Queue[Tagged] = asyncio.Queue()
 
-    def emit(event: Event) -> None:  # on the stepping thread
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the event loop has closed: the server is gone, and so is the client
-            pass
+    def emitter(index: int) -> Any:
+        def emit(event: Event) -> None:  # on the stepping thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (index, event))
+            except RuntimeError:  # the event loop has closed: the server is gone, and so is the client
+                pass
 
+        return emit
+
+    jobs = Choices()
     try:
-        stream, usage, completion, tools = await asyncio.to_thread(
-            _parse, bytes(raw), scheduler.tokenizer, limits, chat
-        )
-        job = scheduler.submit(completion, emit, stream_interval if stream else 0)  # whole: one event at its end
-        if inspect.isawaitable(job):  # replicas (ray.py) admit through a handle call
-            job = await job
-    except BadRequest as err:
-        return _error(400, str(err), err.param)
-    except GenerationError as err:
-        return _error(400, str(err))
-    except QueueFull as err:
-        return _error(429, str(err), headers={"Retry-After": "1"})
-    except NotAdmitting as err:
-        return _error(503, str(err))
+        asked = await asyncio.to_thread(_parse, bytes(raw), scheduler.tokenizer, limits, chat)
+        for i, completion in enumerate(asked.completions):  # whole: one event at each choice's end
+            job = scheduler.submit(completion, emitter(i), stream_interval if asked.stream else 0)
+            jobs.append(await job if inspect.isawaitable(job) else job)  # replicas (ray.py) admit through a call
+    except (BadRequest, GenerationError, QueueFull, NotAdmitting) as err:
+        jobs.cancel()  # choices admitted before the one refused
+        return _refusal(err)
     reply = Reply(limits.model, chat)
-    if stream:
-        return StreamingResponse(_stream(job, events, reply, usage, tools), media_type="text/event-stream")
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    if asked.stream:
+        return StreamingResponse(stream(jobs, events, reply, asked.usage, asked.tools), media_type="text/event-stream")
+    watcher = asyncio.create_task(_watch_disconnect(request, jobs))
     try:
-        return await _whole(events, reply, tools)
+        return await whole(events, len(jobs), reply, asked.tools)
     finally:
         watcher.cancel()
 
 
-def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> tuple[bool, bool, Any, Tools | None]:
-    """Whether to stream (and send usage), the checked request and the tools its answer may call,
-    from the raw body: BadRequest on any fault."""
+def _refusal(err: Exception) -> Response:
+    if isinstance(err, QueueFull):
+        return error_response(429, str(err), headers={"Retry-After": "1"})
+    if isinstance(err, NotAdmitting):
+        return error_response(503, str(err))
+    return error_response(400, str(err), getattr(err, "param", None))
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A checked request: whether to stream (and send usage), a completion a choice, the tools."""
+
+    stream: bool
+    usage: bool
+    completions: list[Completion]
+    tools: Tools | None
+
+
+def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> Asked:
+    """The request from its raw body: BadRequest on any fault. Choice i of a seeded request samples
+    with seed + i, as row i of a seeded `generate` does."""
     try:
         body = json.loads(raw)
     except ValueError as err:  # UnicodeDecodeError included
@@ -183,65 +195,20 @@ def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> tuple[bool
     if not isinstance(body, dict):
         raise BadRequest(f"the body is a JSON {type(body).__name__}; send an object")
     stream, usage = check_fields(body)
+    n = choices_asked(body, limits)
     if chat:
         prompt, tools = chat_prompt(body, tokenizer)
     else:
         prompt, tools = completion_prompt(body, tokenizer, limits.vocab_size), None
-    return stream, usage, completion_request(body, prompt, limits, chat), tools
+    one = completion_request(body, prompt, limits, chat)
+    seed = one.sampling.seed
+    seeds = [None if seed is None else seed + i for i in range(n)]
+    completions = [dataclasses.replace(one, sampling=dataclasses.replace(one.sampling, seed=s)) for s in seeds]
+    return Asked(stream, usage, completions, tools)
 
 
-async def _watch_disconnect(request: Request, job: Any) -> None:
-    """Cancel `job` when its client goes away before the answer is whole."""
+async def _watch_disconnect(request: Request, jobs: Choices) -> None:
+    """Cancel every choice when the client goes away before the answer is whole."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancel()
-
-
-async def _whole(events: asyncio.Queue[Event], reply: Reply, tools: Tools | None) -> Response:
-    text, tokens = [], []
-    while True:
-        event = await events.get()
-        if event.kind == "error":
-            return _error(event.status, event.message)
-        if event.kind == "token":
-            text.append(event.text)
-            tokens.extend(event.tokens)
-            continue
-        content, calls = ("".join(text), []) if tools is None else tools.read("".join(text))
-        finish = "tool_calls" if calls else event.finish_reason
-        return JSONResponse(reply.whole(content, tokens, finish, event.usage, calls))
-
-
-async def _stream(
-    job: Any, events: asyncio.Queue[Event], reply: Reply, include_usage: bool, tools: Tools | None
-) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, then `[DONE]`; leaving early cancels the job.
-    With tools, text that may be a call is held until the answer ends (`ToolCallStream`)."""
-
-    def sse(obj: dict) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
-
-    calls = None if tools is None else ToolCallStream(tools.names)
-    try:
-        if reply.chat:
-            yield sse(reply.chunk("", [], first=True))
-        while True:
-            event = await events.get()
-            if event.kind == "token":
-                yield sse(reply.chunk(event.text if calls is None else calls.push(event.text), event.tokens))
-            elif event.kind == "error":
-                yield sse(error_body(event.message, "server_error"))
-                break
-            else:
-                rest, found = ("", []) if calls is None else calls.finish()
-                found = found if tools is None else tools.kept(found)
-                if rest or found:
-                    yield sse(reply.chunk(rest or None, [], calls=found))
-                finish = "tool_calls" if found else event.finish_reason
-                yield sse(reply.chunk(None if reply.chat else "", [], finish))
-                if include_usage:
-                    yield sse(reply.usage_chunk(event.usage))
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel()  # a no-op once the job has finished
+    jobs.cancel()

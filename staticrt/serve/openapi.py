@@ -70,7 +70,7 @@ def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]
         tokens["maximum"] = limits.max_sequence_len - 1  # the prompt holds a position at least
     common: dict[str, Any] = {
         "model": {"enum": [limits.model]},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1},
+        "n": {"type": "integer", "minimum": 1, "maximum": limits.rows},  # a row a choice
         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
         "top_k": {"type": "integer", "minimum": 0},

@@ -58,6 +58,18 @@ class Limits:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     defaults: GenerationDefaults
+    rows: int = 1  # the most choices (`n`) a request may ask for: each takes a row
+
+
+def choices_asked(body: dict, limits: Limits) -> int:
+    """`n`: each choice runs as a request of its own in its own row (the prompt's prefill shared
+    only where a row's kept prefix allows), so no more than the server has rows."""
+    n = _integer(body, "n", 1, 1)
+    if n > limits.rows:
+        raise BadRequest(
+            f"n is {n}; this server has {limits.rows} rows, a choice each: ask for at most {limits.rows}", "n"
+        )
+    return n
 
 
 def _number(body: dict, name: str, low: float, high: float, default: float, low_open: bool = False) -> float:
@@ -185,8 +197,6 @@ def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool
         raise BadRequest(
             f"model {body.get('model')!r} is not served here; this server serves {limits.model!r}", "model"
         )
-    if _integer(body, "n", 1, 1) != 1:
-        raise BadRequest("n must be 1: each choice is its own request; send n requests", "n")
     room = None if limits.max_sequence_len is None else limits.max_sequence_len - len(prompt)
     if room is not None and room < 1:
         raise BadRequest(
@@ -231,18 +241,22 @@ class Reply:
     def _wrap(self, obj: str, choices: list[dict], **extra: Any) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def whole(
-        self, text: str | None, tokens: list[int], finish_reason: str, usage: dict, calls: Sequence[ToolCall] = ()
+    def choice(
+        self, index: int, text: str | None, tokens: list[int], finish_reason: str, calls: Sequence[ToolCall] = ()
     ) -> dict:
-        """`calls`: the tool calls read out of the answer (`text` then what is left, None if nothing)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
+        """One choice of a whole answer; `calls`: the tool calls read out of it (`text` then what is
+        left, None if nothing)."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
             if calls:
                 choice["message"]["tool_calls"] = [_call(c) for c in calls]
         else:
             choice["text"] = text
-        return self._wrap(self.object, [choice], usage=usage)
+        return choice
+
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        return self._wrap(self.object, choices, usage=usage)
 
     def chunk(
         self,
@@ -251,8 +265,9 @@ class Reply:
         finish_reason: str | None = None,
         first: bool = False,
         calls: Sequence[ToolCall] = (),
+        index: int = 0,
     ) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
