@@ -24,6 +24,7 @@ from ..models.quant_spec import QuantSpec, parse_quantize
 from ..models.quantize import kernels_for, quantize_weights, quantized_dtype
 from ..text.generation_config import read_generation_defaults
 from ..text.tokenizer import load_tokenizer
+from . import mxfp4
 from .gguf_folders import local_checkpoint
 from .hf_config import load_hf_config
 from .weight_files import read_weights
@@ -125,7 +126,8 @@ def load_config(path_or_preset: str | Path) -> ModelConfig:
 def stored_quantization(path_or_preset: str | Path) -> QuantSpec | None:
     """The spec of a folder whose projections `staticrt convert --keep-quantized` kept as GGUF
     codes (gguf_blocks.py); None for float weights and presets. Other quantized checkpoints (GPTQ,
-    AWQ, ...) are refused by name: their tensors are not weights staticrt can read."""
+    AWQ, ...) are refused by name: their tensors are not weights staticrt can read. gpt-oss's MXFP4
+    experts load dequantized (None: float weights)."""
     if str(path_or_preset) in PRESETS:
         return None
     folder = Path(path_or_preset)
@@ -136,6 +138,8 @@ def stored_quantization(path_or_preset: str | Path) -> QuantSpec | None:
     if quantization is None:
         return None
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method == mxfp4.QUANT_METHOD and load_config(folder).family == "gpt_oss":
+        return None  # gpt-oss's experts, dequantized as they load (mxfp4.py)
     if method != gguf_blocks.QUANT_METHOD:
         raise CheckpointError(
             f"{folder}: config.json says its weights are quantized by {method!r}; staticrt reads float "

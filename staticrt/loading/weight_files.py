@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from ..errors import CheckpointError, first_line
+from . import mxfp4
 from .families import checkpoint_names
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -18,7 +19,10 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 def read_weights(folder: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Every tensor of `folder`'s safetensors, named as the decoder names them (families.py: a
     wrapper's text half, a family's fused tensors split), as stored (dtype unchanged)."""
-    return checkpoint_names(_model_type(folder), _read_state_dict(_weight_files(folder)), _part_sizes(config))
+    state = _read_state_dict(_weight_files(folder))
+    if _quant_method(folder) == mxfp4.QUANT_METHOD:
+        mxfp4.dequantize_state(state, str(folder))
+    return checkpoint_names(_model_type(folder), state, _part_sizes(config))
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -77,6 +81,11 @@ def _model_type(folder: Path) -> str | None:
     """The checkpoint's own model_type (a wrapper's, such as gemma3, where the config's family is
     its text half's); load_config has already refused a config.json it cannot read."""
     return json.loads((folder / "config.json").read_text()).get("model_type")
+
+
+def _quant_method(folder: Path) -> str | None:
+    quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    return quantization.get("quant_method") if isinstance(quantization, dict) else None
 
 
 def _part_sizes(config: ModelConfig) -> dict[str, int]:
