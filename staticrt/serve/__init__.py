@@ -16,6 +16,7 @@ from ..errors import GenerationError
 from ..generation.builds import counting
 from ..generation.speculative import Speculation, check_drafter, check_verifies
 from ..text.generation_config import GenerationDefaults
+from .http_limits import protocol_class
 
 
 def serve_backend(
@@ -180,7 +181,9 @@ def run_server(app: Any, scheduler: Any, host: str, port: int, drain_s: float, l
             super().handle_exit(sig, frame)
 
     grace = drain_s + SEND_GRACE_S
-    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=grace, log_level=log_level)
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=grace, log_level=log_level, http=protocol_class()
+    )
     server = Draining(config)
 
     def serve_http() -> None:
@@ -205,7 +208,7 @@ def serving_on_loopback(app: Any) -> Iterator[str]:
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=protocol_class()))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not server.started and thread.is_alive():

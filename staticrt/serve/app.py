@@ -25,6 +25,7 @@ from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import ConfigError, GenerationError
+from . import http_limits
 from .answers import Choices, Tagged, error_response, stream, whole
 from .job import Completion, Event
 from .openapi import KEY_REFUSAL, completion_route
@@ -131,11 +132,12 @@ async def _complete(
     """Check the body, queue its jobs (a choice each), and answer whole or as a stream of events.
     Everything a request sends is checked before a job exists; parsing, templating and tokenising
     run in a worker thread, so a megabyte of prompt never holds up the event loop's other clients."""
-    raw = bytearray()
-    async for piece in request.stream():  # counted as it arrives: a chunked body has no content-length
-        raw += piece
-        if len(raw) > max_body:
-            return error_response(413, f"the request body is over {max_body} bytes, the limit; send less")
+    try:
+        raw = await asyncio.wait_for(_body(request, max_body), http_limits.BODY_S)
+    except asyncio.TimeoutError:
+        return error_response(408, f"the request body took over {http_limits.BODY_S:g} s to arrive; send it at once")
+    if raw is None:
+        return error_response(413, f"the request body is over {max_body} bytes, the limit; send less")
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Tagged] = asyncio.Queue()
 
@@ -165,6 +167,16 @@ async def _complete(
         return await whole(events, len(jobs), reply, asked.tools)
     finally:
         watcher.cancel()
+
+
+async def _body(request: Request, max_body: int) -> bytearray | None:
+    """The body, counted as it arrives (a chunked body has no content-length); None past `max_body`."""
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+        if len(raw) > max_body:
+            return None
+    return raw
 
 
 def _refusal(err: Exception) -> Response:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .http_limits import BODY_S
 from .job import MAX_STOP_CHARS, MAX_STOPS
 from .protocol import UNSUPPORTED, Limits
 
@@ -124,6 +125,7 @@ ERROR = {
 REFUSALS = {
     "400": "a field out of its limits, named in error.param",
     "401": "an API key is set and the request's is missing or wrong",
+    "408": f"the body took over {BODY_S:g} s to arrive",
     "413": "the body is over the size limit",
     "429": "every row and the queue are full (Retry-After: 1)",
     "503": "the server is shutting down, or the model failed",
