@@ -11,11 +11,7 @@ import os
 import random
 import re
 import threading
-import time
-from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 import staticrt
@@ -24,10 +20,11 @@ pytest.importorskip("fastapi", reason="serving needs the serve extra: use the RE
 
 from serving import running  # noqa: E402
 
+from staticrt.bench.soak import SoakLoad, metric, plot_soak, run_soak  # noqa: E402
 from staticrt.serve import serve_backend  # noqa: E402
 
 MODEL, ROWS, QUEUE, CONTEXT = "tiny-llama", 4, 4, 128
-SOAK_S, CLIENTS = 60.0, 8
+SOAK_S, CLIENTS, SAMPLE_S = 60.0, 8, 10.0
 
 
 # the event loop's default executor (asyncio.to_thread: the server parses bodies there) grows on
@@ -41,86 +38,46 @@ def _threads() -> tuple[int, int]:
     return threading.active_count() - pool, pool
 
 
-def _metric(url: str, name: str) -> float:
-    return float(re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{url}/metrics").text, re.M).group(1))
-
-
-def _body(rng: random.Random, long: bool = False) -> dict:
-    prompt = [rng.randrange(3, 250) for _ in range(rng.randrange(90, 120) if long else rng.randrange(1, 40))]
-    body = dict(model=MODEL, prompt=prompt, max_tokens=rng.randrange(1, 8 if long else 24), temperature=0)
-    if rng.random() < 0.4:
-        body.update(temperature=0.8, top_p=0.9, seed=rng.randrange(1000))
-    return body
-
-
-def _whole(url: str, rng: random.Random) -> int:
-    return httpx.post(f"{url}/v1/completions", json=_body(rng, long=rng.random() < 0.3), timeout=60).status_code
-
-
-def _stream(url: str, rng: random.Random, cancel: bool) -> int:
-    """A stream read to its `[DONE]` (its last chunk carries a finish reason), or left after its
-    first chunk while it has the rest of the context to go."""
-    body = _body(rng) | {"stream": True}
-    if cancel:
-        body["max_tokens"] = CONTEXT - len(body["prompt"])
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
-        if reply.status_code != 200:
-            return reply.status_code
-        events = [line for line in reply.iter_lines() if line.startswith("data: ")][: 1 if cancel else None]
-        if not cancel:
-            assert events[-1] == "data: [DONE]" and '"finish_reason":"' in events[-2].replace(" ", ""), events[-3:]
-        return 200
-
-
-def _leave(url: str, rng: random.Random) -> int:
-    """Sends a request and goes away without reading a byte of the answer."""
-    with httpx.stream("POST", f"{url}/v1/completions", json={**_body(rng), "stream": True}, timeout=60) as reply:
-        return reply.status_code
-
-
-def _burst(url: str, rng: random.Random) -> list[int]:
-    with ThreadPoolExecutor(ROWS + QUEUE + 4) as pool:
-        return list(pool.map(lambda _: _whole(url, random.Random(rng.random())), range(ROWS + QUEUE + 4)))
-
-
-def _garbage(url: str, rng: random.Random) -> int:
-    bodies = [b"{", b"[]", b'{"model": "tiny-llama", "prompt": "x"}', b'{"model": 3}', bytes(rng.randbytes(64))]
-    return httpx.post(f"{url}/v1/completions", content=rng.choice(bodies), timeout=60).status_code
-
-
-def _client(url: str, seed: int, deadline: float, statuses: Counter, lock: threading.Lock) -> None:
-    rng = random.Random(seed)
-    while time.monotonic() < deadline:
-        kind = rng.choice(["whole", "whole", "stream", "cancel", "leave", "burst", "garbage"])
-        if kind == "burst":
-            got = _burst(url, rng)
-        elif kind in ("stream", "cancel"):
-            got = [_stream(url, rng, cancel=kind == "cancel")]
-        else:
-            got = [{"whole": _whole, "leave": _leave, "garbage": _garbage}[kind](url, rng)]
-        with lock:
-            statuses.update((kind, status) for status in got)
-
-
-def test_a_minute_of_mixed_load_leaves_no_5xx_no_busy_row_and_no_growth():
+def test_a_minute_of_mixed_load_leaves_no_5xx_no_busy_row_and_no_growth(tmp_path):
+    pytest.importorskip("matplotlib", reason="the soak's plot needs matplotlib: install the test extra")
     gen = staticrt.Generator(staticrt.load_model(MODEL), max_batch_size=ROWS, max_cache_len=CONTEXT)
     app, _ = serve_backend(gen.backend, name=MODEL, max_queue=QUEUE)
     with running(app) as url:
-        _burst(url, random.Random(0))  # the server as it is once it has served
+        load = SoakLoad(url, MODEL, 256, ROWS, QUEUE, CONTEXT)
+        load.burst(random.Random(0))  # the server as it is once it has served
         threads, fds = _threads(), len(os.listdir("/proc/self/fd"))
-        statuses: Counter = Counter()
-        lock, deadline = threading.Lock(), time.monotonic() + SOAK_S
-        with ThreadPoolExecutor(CLIENTS) as pool:
-            for future in [pool.submit(_client, url, seed, deadline, statuses, lock) for seed in range(CLIENTS)]:
-                future.result()
+        report = run_soak(load, os.getpid(), CLIENTS, SOAK_S, SAMPLE_S)
+        statuses = load.statuses
         assert not [key for key in statuses if key[1] >= 500], statuses
         assert statuses[("whole", 200)] and statuses[("stream", 200)] and statuses[("burst", 429)], statuses
         assert {status for (kind, status) in statuses if kind == "garbage"} == {400}, statuses
-        settle = time.monotonic() + 30
-        busy = lambda: (_metric(url, "staticrt_busy_rows"), _metric(url, "staticrt_queue_length"))  # noqa: E731
-        while busy() != (0.0, 0.0) and time.monotonic() < settle:
-            time.sleep(0.1)
-        assert busy() == (0.0, 0.0)
-        assert statuses[("cancel", 200)] and _metric(url, 'staticrt_requests_finished_total{outcome="cancelled"}')
+        assert statuses[("cancel", 200)] and metric(url, 'staticrt_requests_finished_total{outcome="cancelled"}')
         now = (_threads(), len(os.listdir("/proc/self/fd")))
         assert now[0][0] <= threads[0] and now[0][1] <= EXECUTOR and now[1] <= fds + 8, (now, threads, fds)
+    # the report: a sample every SAMPLE_S and one after the settling, latencies timed, the verdict
+    samples, verdict = report["samples"], report["summary"]
+    assert len(samples) >= SOAK_S / SAMPLE_S + 1 and samples[-1]["t_s"] >= SOAK_S
+    assert all(s["itl"]["p50_ms"] is not None for s in samples[1:-1])
+    assert sum(sum(s["answers"].values()) for s in samples) == sum(statuses.values())
+    assert (verdict["server_errors"], verdict["rows_busy_at_end"], verdict["queue_at_end"]) == (0, 0, 0)
+    plot_soak(report, str(tmp_path / "soak.png"))
+    assert (tmp_path / "soak.png").stat().st_size > 10_000
+
+
+def test_bench_serve_soak_writes_its_timeline_and_verdict(tmp_path):
+    """`staticrt bench-serve --workload soak` on a server process of its own: the JSON holds a
+    sample a tenth of the duration (5 s at least) with the process's own numbers, and the plot."""
+    import json
+
+    from staticrt.cli.main import main
+
+    pytest.importorskip("matplotlib", reason="the soak's plot needs matplotlib: install the test extra")
+    out, plot = tmp_path / "soak.json", tmp_path / "soak.png"
+    command = ["bench-serve", "--model", MODEL, "--backend", "eager", "--workload", "soak", "--duration", "12"]
+    assert main([*command, "--concurrency", "4", "--max-batch-size", "2", "--json", str(out), "--plot", str(plot)]) == 0
+    report = json.loads(out.read_text())
+    soak = report["results"]["staticrt"]
+    assert report["settings"]["sample_s"] == 5.0 and len(soak["samples"]) >= 3
+    assert all(s["rss_mb"] > 50 and s["fds"] > 3 and s["threads"] >= 1 for s in soak["samples"])
+    assert soak["summary"]["server_errors"] == 0 and soak["summary"]["rows_busy_at_end"] == 0
+    assert plot.stat().st_size > 10_000

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import GenerationError
 from .serve_load import LoadRequest, run_chat_load, run_load, workload
@@ -108,11 +108,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class RunningServer(NamedTuple):
+    url: str
+    pid: int
+
+
 @contextmanager
 def server_process(
     command: list[str], port: int, env: dict[str, str], timeout_s: float, health: str = "/health"
-) -> Iterator[str]:
-    """`command` (a server listening on `port`) running until left; yields its URL once `health` answers.
+) -> Iterator[RunningServer]:
+    """`command` (a server listening on `port`) running until left; yields its URL and process id
+    once `health` answers.
     Where it fails to come up, its whole log is kept (the error names the file): a compiler's
     traceback is longer than any tail, and the line naming the graph it was building comes first."""
     import httpx
@@ -136,7 +142,7 @@ def server_process(
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        yield url
+        yield RunningServer(url, process.pid)
     finally:
         process.terminate()
         try:
@@ -155,7 +161,7 @@ def measure_server(
     (system prompt, conversations); after one warm-up request, so first-use costs stay out."""
     port = _free_port()
     env = {"OMP_NUM_THREADS": str(request.threads)} if request.threads else {}
-    with server_process([*command, "--port", str(port)], port, env, timeout_s=900, health=health) as url:
+    with server_process([*command, "--port", str(port)], port, env, timeout_s=900, health=health) as (url, _):
         if isinstance(load, tuple):
             system, conversations = load
             run_load(url, model, [LoadRequest("warm-up", 4)], 1, request.duration_s)  # shares no prefix

@@ -10,6 +10,7 @@ from ..bench import write_report
 from ..bench.machine import describe
 from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
 from ..bench.serve_chat import run_chat_bench
+from ..bench.soak import plot_soak, run_soak_bench
 from .console import console, progress, show_table
 from .session import model_device
 
@@ -39,6 +40,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         replicas=args.replicas,
     )
+    if request.workload == "soak":
+        return _soak(request, args)
     with progress("bench-serve") as update:
         report = (run_chat_bench if request.workload == "chat" else run_serve_bench)(request, on_stage=update)
     _show(request, report, args.format)
@@ -46,6 +49,30 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         write_report(report, args.json)
         console.print(f"wrote {args.json}")
     return 0 if not any(r.get("failed") or "error" in r for r in report["results"].values()) else 1
+
+
+def _soak(request: ServeBenchRequest, args: argparse.Namespace) -> int:
+    """The soak's timeline as a table, its JSON and plot; exit 1 on a server error or a row left busy."""
+    with progress("bench-serve soak") as update:
+        report = run_soak_bench(request, on_stage=update)
+    soak = report["results"]["staticrt"]
+    rows = [
+        [s["t_s"] / 60, s["rss_mb"], s["fds"], s["threads"], s["busy_rows"], s["queue"],
+         _ms(s["ttft"], "p99_ms"), _ms(s["itl"], "p50_ms"), _ms(s["itl"], "p99_ms"), s["answers"].get("5xx", 0)]
+        for s in soak["samples"]
+    ]  # fmt: skip
+    columns = ["minute", "RSS MB", "fds", "threads", "busy", "queue", "TTFT p99", "ITL p50", "ITL p99", "5xx"]
+    title = f"soak: {request.model} ({request.backend}), {request.max_batch_size} rows, {request.concurrency} clients"
+    show_table(f"{title}, {describe(report['machine'])}", columns, rows, args.format)
+    verdict = soak["summary"]
+    console.print(", ".join(f"{k.replace('_', ' ')} {v:.3g}" for k, v in verdict.items() if v is not None))
+    if args.json:
+        write_report(report, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        plot_soak(soak, str(args.plot))
+        console.print(f"wrote {args.plot}")
+    return 0 if verdict["server_errors"] == 0 and verdict["rows_busy_at_end"] == 0 else 1
 
 
 def _ms(stats: dict[str, Any] | None, key: str) -> Any:

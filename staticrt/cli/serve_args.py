@@ -200,11 +200,17 @@ def _add_bench_workload(bench: Any) -> None:
     """What bench-serve sends, and which staticrt servers it measures."""
     bench.add_argument(
         "--workload",
-        choices=("random", "chat"),
+        choices=("random", "chat", "soak"),
         default="random",
         help="random: --requests independent prompts; chat: each of --concurrency clients holds a conversation "
         "of --turns turns (--prompt-len tokens each) after a shared system prompt, on staticrt serve with "
-        "prefix reuse and without, and on llama.cpp's server when --model is a .gguf file",
+        "prefix reuse and without, and on llama.cpp's server when --model is a .gguf file; soak: staticrt serve "
+        "alone held for --duration seconds by --concurrency clients of a mixed load (streams cancelled and left "
+        "unread, bursts past the queue, prompts near the context, garbage), sampled every minute: RSS, "
+        "descriptors, threads, busy rows, queue, TTFT and inter-token p50/p99, answers by status",
+    )
+    bench.add_argument(
+        "--plot", type=Path, default=None, metavar="FILE.png", help="with --workload soak: draw its timeline here"
     )
     bench.add_argument("--turns", type=POSITIVE, default=4, help="with --workload chat: turns a conversation (4)")
     bench.add_argument(

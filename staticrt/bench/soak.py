@@ -1,0 +1,256 @@
+"""A server held under mixed load for a duration, sampled as it goes (issue 68's soak): clients that
+read whole answers, read streams to their end, cancel streams mid-way, send and leave without
+reading, arrive in bursts past the queue, send prompts near the end of the context and send
+garbage, greedy and sampled. Every `interval_s` it records the server process's RSS, descriptors
+and threads, its busy rows and queue (/metrics), the streams' time to first token and inter-token
+latency, and the answers' statuses; the report says whether anything grew, slowed or failed.
+`bench-serve --workload soak` runs it on a server process; tests/test_soak.py on one in-process.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KINDS = ("whole", "whole", "stream", "cancel", "leave", "burst", "garbage")
+
+
+@dataclass
+class SoakLoad:
+    """What the clients send to the server at `url`: token-id prompts in `vocab`, up to `context`
+    positions, to a server of `rows` rows and a queue of `queue`."""
+
+    url: str
+    model: str
+    vocab: int
+    rows: int
+    queue: int
+    context: int
+    statuses: Counter = field(default_factory=Counter)  # (kind, status) -> count
+    ttft_s: list[float] = field(default_factory=list)  # since the last sample
+    itl_s: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def body(self, rng: random.Random, long: bool = False) -> dict:
+        size = rng.randrange(self.context - 40, self.context - 10) if long else rng.randrange(1, 40)
+        prompt = [rng.randrange(3, self.vocab) for _ in range(size)]
+        body = dict(model=self.model, prompt=prompt, max_tokens=rng.randrange(1, 8 if long else 24), temperature=0)
+        if rng.random() < 0.4:
+            body.update(temperature=0.8, top_p=0.9, seed=rng.randrange(1000))
+        return body
+
+    def whole(self, rng: random.Random) -> int:
+        import httpx
+
+        body = self.body(rng, long=rng.random() < 0.3)
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=120).status_code
+
+    def stream(self, rng: random.Random, cancel: bool) -> int:
+        """A stream read to its `[DONE]` (timed; its last chunk must carry a finish reason), or
+        left after its first chunk while it has the rest of the context to go."""
+        import httpx
+
+        body = self.body(rng) | {"stream": True}
+        if cancel:
+            body["max_tokens"] = self.context - len(body["prompt"])
+        start, times, events = time.perf_counter(), [], []
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as reply:
+            if reply.status_code != 200:
+                return reply.status_code
+            for line in reply.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    times.append(time.perf_counter())
+                    if cancel:
+                        return 200
+        if events[-1] != "data: [DONE]" or '"finish_reason":"' not in events[-2].replace(" ", ""):
+            return 599  # a stream that ended without its finish: counted as a server error
+        with self.lock:
+            self.ttft_s.append(times[0] - start)
+            self.itl_s.extend(np.diff(times[:-2]).tolist())  # between token chunks, not to the finish
+        return 200
+
+    def leave(self, rng: random.Random) -> int:
+        """Sends a request and goes away without reading a byte of the answer."""
+        import httpx
+
+        body = {**self.body(rng), "stream": True}
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as reply:
+            return reply.status_code
+
+    def burst(self, rng: random.Random) -> list[int]:
+        size = self.rows + self.queue + 4
+        with ThreadPoolExecutor(size) as pool:
+            return list(pool.map(lambda _: self.whole(random.Random(rng.random())), range(size)))
+
+    def garbage(self, rng: random.Random) -> int:
+        import httpx
+
+        bodies = [b"{", b"[]", b'{"model": "%s", "prompt": "x"}' % self.model.encode(), b'{"model": 3}']
+        body = rng.choice([*bodies, bytes(rng.randbytes(64))])
+        return httpx.post(f"{self.url}/v1/completions", content=body, timeout=120).status_code
+
+    def client(self, seed: int, deadline: float) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < deadline:
+            kind = rng.choice(KINDS)
+            if kind == "burst":
+                got = self.burst(rng)
+            elif kind in ("stream", "cancel"):
+                got = [self.stream(rng, cancel=kind == "cancel")]
+            else:
+                got = [{"whole": self.whole, "leave": self.leave, "garbage": self.garbage}[kind](rng)]
+            with self.lock:
+                self.statuses.update((kind, status) for status in got)
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of the server's /metrics."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+def process_sample(pid: int) -> dict[str, float]:
+    """The process's resident memory (MB), open descriptors and threads, from /proc."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    fds = len(list(Path(f"/proc/{pid}/fd").iterdir()))
+    return {"rss_mb": int(status["VmRSS"].split()[0]) / 1024, "fds": fds, "threads": int(status["Threads"])}
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50_ms": None, "p99_ms": None}
+    return {"p50_ms": float(np.percentile(values, 50)) * 1e3, "p99_ms": float(np.percentile(values, 99)) * 1e3}
+
+
+def run_soak(load: SoakLoad, pid: int, clients: int, duration_s: float, interval_s: float) -> dict[str, Any]:
+    """`clients` clients for `duration_s` seconds, a sample every `interval_s`; then the server is
+    given 30 s to free its rows. The report's `samples` are the timeline, `summary` the verdict."""
+    samples: list[dict[str, Any]] = []
+    start = time.monotonic()
+    taken: Counter = Counter()
+
+    def sample() -> None:
+        with load.lock:
+            ttft, itl, load.ttft_s, load.itl_s = load.ttft_s, load.itl_s, [], []
+            new = Counter(load.statuses) - taken
+        taken.update(new)
+        answers: Counter = Counter()
+        for (_, status), n in new.items():
+            answers["5xx" if status >= 500 else "429" if status == 429 else f"{status // 100}xx"] += n
+        busy = (metric(load.url, "staticrt_busy_rows"), metric(load.url, "staticrt_queue_length"))
+        samples.append(
+            {"t_s": round(time.monotonic() - start, 1), **process_sample(pid), "busy_rows": busy[0], "queue": busy[1],
+             "ttft": _percentiles(ttft), "itl": _percentiles(itl), "answers": dict(answers)}
+        )  # fmt: skip
+
+    sample()
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(load.client, seed, start + duration_s) for seed in range(clients)]
+        next_at = start + interval_s
+        while not all(f.done() for f in futures):
+            time.sleep(min(0.5, max(0.0, next_at - time.monotonic())))
+            if time.monotonic() >= next_at:
+                sample()
+                next_at += interval_s
+        for future in futures:
+            future.result()
+    settle = time.monotonic() + 30
+    while (metric(load.url, "staticrt_busy_rows"), metric(load.url, "staticrt_queue_length")) != (0, 0):
+        if time.monotonic() > settle:
+            break
+        time.sleep(0.2)
+    sample()
+    statuses = {f"{kind} {status}": n for (kind, status), n in sorted(load.statuses.items())}
+    return {"samples": samples, "statuses": statuses, "summary": summary(samples)}
+
+
+def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 68's verdict, scaled to the duration: RSS at the end against a sixth of the way in
+    (minute 5 of 60 is about that, once warm), p99 inter-token latency in the last sixth against the
+    first, server errors, rows at the end, descriptors and threads against the warm sample."""
+    sixth = max(1, len(samples) // 6)
+    first, last = samples[1 : 1 + sixth] or samples[:1], samples[-1 - sixth : -1] or samples[-1:]
+    warm = samples[min(sixth, len(samples) - 1)]
+    p99 = lambda window: max((s["itl"]["p99_ms"] or 0.0) for s in window) or None  # noqa: E731
+    end = samples[-1]
+    return {
+        "rss_end_over_warm": end["rss_mb"] / warm["rss_mb"],
+        "itl_p99_last_over_first": (p99(last) / p99(first)) if p99(last) and p99(first) else None,
+        "server_errors": sum(s["answers"].get("5xx", 0) for s in samples),
+        "rows_busy_at_end": end["busy_rows"],
+        "queue_at_end": end["queue"],
+        "fd_growth": end["fds"] - warm["fds"],
+        "thread_growth": end["threads"] - warm["threads"],  # from the warm sample: pools grow to their bounds first
+    }
+
+
+def plot_soak(report: dict[str, Any], path: str) -> None:
+    """The timeline as four panels: memory, descriptors and threads, latency, answers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = report["samples"]
+    minutes = [s["t_s"] / 60 for s in samples]
+    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+    axes[0].plot(minutes, [s["rss_mb"] for s in samples])
+    axes[0].set_ylabel("RSS (MB)")
+    axes[1].plot(minutes, [s["fds"] for s in samples], label="descriptors")
+    axes[1].plot(minutes, [s["threads"] for s in samples], label="threads")
+    axes[1].legend()
+    for key, style in (("ttft", "-"), ("itl", "--")):
+        for p in ("p50_ms", "p99_ms"):
+            axes[2].plot(minutes, [s[key][p] for s in samples], style, label=f"{key.upper()} {p[:3]}")
+    axes[2].set_ylabel("ms")
+    axes[2].set_yscale("log")
+    axes[2].legend(fontsize=7)
+    for answer in ("2xx", "4xx", "429", "5xx"):
+        axes[3].plot(minutes, [s["answers"].get(answer, 0) for s in samples], label=answer)
+    axes[3].set_ylabel("answers / sample")
+    axes[3].set_xlabel("minutes")
+    axes[3].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run_soak_bench(request: Any, on_stage: Any = lambda _: None) -> dict[str, Any]:
+    """`bench-serve --workload soak`: staticrt serve on `request.model` (a process of its own,
+    `request.max_batch_size` rows and as many queued), held by `request.concurrency` clients for
+    `request.duration_s` seconds; a sample a minute (a tenth of the duration when shorter)."""
+    import tempfile
+
+    from .machine import machine
+    from .serve_bench import _free_port, checkpoint_folder, server_process, staticrt_command
+
+    interval = max(5.0, min(60.0, request.duration_s / 10))
+    with tempfile.TemporaryDirectory(prefix="staticrt-soak-") as work:
+        on_stage(f"writing {request.model} as a checkpoint folder")
+        folder = checkpoint_folder(request.model, Path(work))
+        from ..text.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(folder).backend.get_vocab_size()
+        port, rows = _free_port(), request.max_batch_size
+        command = [*staticrt_command(folder, request), "--max-queue", str(rows), "--port", str(port)]  # the last wins
+        command += ["--speculative", request.speculative] if request.speculative else []
+        env = {"OMP_NUM_THREADS": str(request.threads)} if request.threads else {}
+        on_stage(f"staticrt serve ({request.backend}; starting, compiling)")
+        with server_process(command, port, env, timeout_s=900) as (url, pid):
+            load = SoakLoad(url, "bench", vocab, rows, rows, request.max_cache_len)
+            on_stage(f"{request.concurrency} clients for {request.duration_s:g} s, a sample every {interval:g} s")
+            soak = run_soak(load, pid, request.concurrency, request.duration_s, interval)
+    settings = {**request.__dict__, "max_cache_len": request.max_cache_len, "sample_s": interval}
+    return {"settings": settings, "machine": machine(), "results": {"staticrt": soak}}
