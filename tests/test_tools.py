@@ -259,6 +259,7 @@ def test_a_template_without_tools_gets_them_in_the_system_message():
         ({"tools": TOOLS * 2}, "tools", "name a function twice"),
         ({"tools": [], "tool_choice": "auto"}, "tool_choice", "no tools were given"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls", "must be true or false"),
+        ({"tool_choice": {"type": "function", "function": "get_weather"}}, "tool_choice", 'it is "none", "auto"'),
     ],
 )
 def test_tool_fields_it_cannot_honour_get_400_naming_them(served, fields, param, message):

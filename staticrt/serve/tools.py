@@ -60,9 +60,12 @@ def check_tools(body: dict) -> Tools | None:
         return Tools(tuple(tools), frozenset(names), parallel)
     if choice == "none":
         return None
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
     if named is not None and named not in names:
-        raise BadRequest(f"tool_choice names {named!r}, which is not among the tools {sorted(names)}", "tool_choice")
+        raise BadRequest(
+            f"tool_choice names {shown(named)}, which is not among the tools {sorted(names)}", "tool_choice"
+        )
     if choice != "required" and named is None:
         raise BadRequest(
             f'tool_choice is {shown(choice)}; it is "none", "auto", "required" or '
