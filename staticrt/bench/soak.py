@@ -27,7 +27,8 @@ KINDS = ("whole", "whole", "stream", "cancel", "leave", "burst", "garbage")
 @dataclass
 class SoakLoad:
     """What the clients send to the server at `url`: token-id prompts in `vocab`, up to `context`
-    positions, to a server of `rows` rows and a queue of `queue`."""
+    positions, to a server of `rows` rows and a queue of `queue`; the long prompts end within 30
+    tokens of `longest`, the longest it admits (default: 10 short of the context)."""
 
     url: str
     model: str
@@ -35,13 +36,15 @@ class SoakLoad:
     rows: int
     queue: int
     context: int
+    longest: int | None = None
     statuses: Counter = field(default_factory=Counter)  # (kind, status) -> count
     ttft_s: list[float] = field(default_factory=list)  # since the last sample
     itl_s: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def body(self, rng: random.Random, long: bool = False) -> dict:
-        size = rng.randrange(self.context - 40, self.context - 10) if long else rng.randrange(1, 40)
+        longest = self.longest or self.context - 10
+        size = rng.randrange(longest - 30, longest + 1) if long else rng.randrange(1, 40)
         prompt = [rng.randrange(3, self.vocab) for _ in range(size)]
         body = dict(model=self.model, prompt=prompt, max_tokens=rng.randrange(1, 8 if long else 24), temperature=0)
         if rng.random() < 0.4:
@@ -233,6 +236,7 @@ def run_soak_bench(request: Any, on_stage: Any = lambda _: None) -> dict[str, An
     `request.duration_s` seconds; a sample a minute (a tenth of the duration when shorter)."""
     import tempfile
 
+    from ..generation.buckets import chunk_end
     from .machine import machine
     from .serve_bench import _free_port, checkpoint_folder, server_process, staticrt_command
 
@@ -249,7 +253,9 @@ def run_soak_bench(request: Any, on_stage: Any = lambda _: None) -> dict[str, An
         env = {"OMP_NUM_THREADS": str(request.threads)} if request.threads else {}
         on_stage(f"staticrt serve ({request.backend}; starting, compiling)")
         with server_process(command, port, env, timeout_s=900) as (url, pid):
-            load = SoakLoad(url, "bench", vocab, rows, rows, request.max_cache_len)
+            context, answer = request.max_cache_len, 8  # a long prompt's answer is under 8 tokens
+            fits = [n for n in range(1, context) if chunk_end(request.prefill_buckets, n) <= context - answer]
+            load = SoakLoad(url, "bench", vocab, rows, rows, context, longest=max(fits))
             on_stage(f"{request.concurrency} clients for {request.duration_s:g} s, a sample every {interval:g} s")
             soak = run_soak(load, pid, request.concurrency, request.duration_s, interval)
     settings = {**request.__dict__, "max_cache_len": request.max_cache_len, "sample_s": interval}
