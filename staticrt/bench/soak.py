@@ -103,15 +103,22 @@ class SoakLoad:
         return httpx.post(f"{self.url}/v1/completions", content=body, timeout=120).status_code
 
     def client(self, seed: int, deadline: float) -> None:
+        """Requests until `deadline`; one the server does not answer within 120 s (or whose
+        connection fails) counts as status 0, "no answer", and the client goes on."""
+        import httpx
+
         rng = random.Random(seed)
         while time.monotonic() < deadline:
             kind = rng.choice(KINDS)
-            if kind == "burst":
-                got = self.burst(rng)
-            elif kind in ("stream", "cancel"):
-                got = [self.stream(rng, cancel=kind == "cancel")]
-            else:
-                got = [{"whole": self.whole, "leave": self.leave, "garbage": self.garbage}[kind](rng)]
+            try:
+                if kind == "burst":
+                    got = self.burst(rng)
+                elif kind in ("stream", "cancel"):
+                    got = [self.stream(rng, cancel=kind == "cancel")]
+                else:
+                    got = [{"whole": self.whole, "leave": self.leave, "garbage": self.garbage}[kind](rng)]
+            except httpx.HTTPError:
+                got = [0]
             with self.lock:
                 self.statuses.update((kind, status) for status in got)
 
@@ -151,7 +158,9 @@ def run_soak(load: SoakLoad, pid: int, clients: int, duration_s: float, interval
         taken.update(new)
         answers: Counter = Counter()
         for (_, status), n in new.items():
-            answers["5xx" if status >= 500 else "429" if status == 429 else f"{status // 100}xx"] += n
+            answers[
+                "none" if status == 0 else "5xx" if status >= 500 else "429" if status == 429 else f"{status // 100}xx"
+            ] += n
         busy = (metric(load.url, "staticrt_busy_rows"), metric(load.url, "staticrt_queue_length"))
         samples.append(
             {"t_s": round(time.monotonic() - start, 1), **process_sample(pid), "busy_rows": busy[0], "queue": busy[1],
@@ -192,6 +201,7 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "rss_end_over_warm": end["rss_mb"] / warm["rss_mb"],
         "itl_p99_last_over_first": (p99(last) / p99(first)) if p99(last) and p99(first) else None,
         "server_errors": sum(s["answers"].get("5xx", 0) for s in samples),
+        "unanswered": sum(s["answers"].get("none", 0) for s in samples),  # no answer within 120 s
         "rows_busy_at_end": end["busy_rows"],
         "queue_at_end": end["queue"],
         "fd_growth": end["fds"] - warm["fds"],
@@ -220,7 +230,7 @@ def plot_soak(report: dict[str, Any], path: str) -> None:
     axes[2].set_ylabel("ms")
     axes[2].set_yscale("log")
     axes[2].legend(fontsize=7)
-    for answer in ("2xx", "4xx", "429", "5xx"):
+    for answer in ("2xx", "4xx", "429", "5xx", "none"):
         axes[3].plot(minutes, [s["answers"].get(answer, 0) for s in samples], label=answer)
     axes[3].set_ylabel("answers / sample")
     axes[3].set_xlabel("minutes")

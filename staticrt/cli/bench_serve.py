@@ -72,7 +72,7 @@ def _soak(request: ServeBenchRequest, args: argparse.Namespace) -> int:
     if args.plot:
         plot_soak(soak, str(args.plot))
         console.print(f"wrote {args.plot}")
-    return 0 if verdict["server_errors"] == 0 and verdict["rows_busy_at_end"] == 0 else 1
+    return 0 if verdict["server_errors"] == verdict["unanswered"] == verdict["rows_busy_at_end"] == 0 else 1
 
 
 def _ms(stats: dict[str, Any] | None, key: str) -> Any:
