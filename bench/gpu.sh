@@ -11,9 +11,10 @@
 #   bench/gpu.sh decode  OUT [B..]  bench-1b in bfloat16, batch B (default 1 and 8): cudagraph,
 #                                   reduce-overhead and transformers' compiled static cache
 #                                   (BACKENDS=cudagraph,compiled,... picks others)
-#   bench/gpu.sh offload OUT        bench-1b at prompt 8192: OffloadedStatic against Static
-#   bench/gpu.sh onnx    OUT        bench-1b in float16: ONNX Runtime with its CUDA graph beside
-#                                   cudagraph (needs onnxruntime-gpu)
+#   bench/gpu.sh offload OUT        bench-1b at prompt 8192: OffloadedStatic against Static (DTYPE=float32
+#                                   for tokens that agree; its first call ran past 240 s: give it 600)
+#   bench/gpu.sh onnx    OUT        ONNX Runtime's CUDA tests, then bench-1b in float16: ONNX Runtime
+#                                   with its CUDA graph beside cudagraph (needs onnxruntime-gpu)
 #   bench/gpu.sh placement OUT      where ONNX Runtime's CUDA provider places a tiny Gemma2 graph: the
 #                                   host-device copies that keep its CUDA graph off (bench/onnx_placement.py)
 #   bench/gpu.sh serve   OUT        bench-serve on bench-llama, cudagraph backend, against transformers
@@ -88,7 +89,8 @@ decode)
     exit $status
     ;;
 offload)
-    bench offload-bench-1b-8192 --model bench-1b --dtype bfloat16 --offload --prompt-len 8192 --new-tokens 64 \
+    dtype=${DTYPE:-bfloat16}
+    bench "offload-bench-1b-8192-$dtype" --model bench-1b --dtype "$dtype" --offload --prompt-len 8192 --new-tokens 64 \
         --backends "${BACKENDS:-cudagraph,compiled}"
     ;;
 onnx)
@@ -96,6 +98,10 @@ onnx)
         echo "bench/gpu.sh onnx: this onnxruntime has no CUDAExecutionProvider; install onnxruntime-gpu" >&2
         exit 3
     fi
+    # first its CUDA test: the capture on a tiny Gemma2 graph, and its tokens against the CPU's
+    # (no log capture: torch.onnx's DEBUG records would bury the assertion)
+    "$py" -m pytest -v -p no:cacheprovider -p no:logging --tb=short tests/test_onnx.py -k cuda 2>&1 |
+        tee "$out/onnx-tests.log"
     bench onnx-bench-1b --model bench-1b --dtype float16 --new-tokens 128 --backends onnx,cudagraph
     ;;
 placement)

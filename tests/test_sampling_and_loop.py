@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import staticrt
-from staticrt.generation import host_sampling
-from staticrt.generation.sampling import greedy, sample
+from staticrt.generation import host_sampling, sampling
+from staticrt.generation.sampling import blocked_running_sum, greedy, sample
 
 
 def pick(probs, uniform, top_k=0, top_p=1.0, temperature=1.0):
@@ -68,6 +68,48 @@ def test_the_hosts_numpy_pick_is_the_graphs_torch_pick(rows):
         np.array(uniform, dtype=np.float32),
     )
     assert got.tolist() == expected.tolist()
+
+
+def scans_in(step, *shapes_and_dtypes) -> list[tuple[int, ...]]:
+    """The input shape of every cumsum in `step`'s traced graph, torch.cond's branches included."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(step)(*[torch.zeros(shape, dtype=dtype) for shape, dtype in shapes_and_dtypes])
+    return [
+        tuple(node.args[0].meta["val"].shape)
+        for module in traced.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.target == torch.ops.aten.cumsum.default
+    ]
+
+
+def test_sampling_on_cuda_scans_at_most_32_elements_which_torch_211s_inductor_compiles(monkeypatch):
+    """`bench-serve --backend cudagraph` died on an H200 compiling decode_sample for 8 rows over a
+    32000-token vocabulary: torch 2.11's inductor splits a long scan over few rows (SplitScan) and
+    its Triton code generation fails on it. Every scan in the sampling steps is short there
+    (traced here on the CPU, taken for CUDA: fake CUDA tensors cannot be indexed without CUDA)."""
+    rows, vocab, f32, i64 = 8, 32000, torch.float32, torch.int64
+    per_row = [((rows,), f32), ((rows,), i64), ((rows,), f32), ((rows,), f32)]
+    steps = {
+        "pick": [((rows, vocab), f32), *per_row],
+        "verify_sample": [((rows, 4, vocab), f32), ((rows, 4), i64), *per_row[:3], ((rows, 4, 2), f32)],
+    }
+    assert max(shape[-1] for shape in scans_in(sampling.pick, *steps["pick"])) == vocab  # the CPU's one scan
+    monkeypatch.setattr(sampling, "SHORT_SCAN_DEVICES", frozenset({"cpu"}))
+    for name, inputs in steps.items():
+        scans = scans_in(getattr(sampling, name), *inputs)
+        assert len(scans) >= 2 and all(shape[-1] <= sampling.SCAN_BLOCK for shape in scans), (name, scans)
+
+
+@given(
+    rows=st.integers(1, 3),
+    width=st.integers(1, 40_000),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_blocked_running_sum_is_the_running_sum(rows, width, seed):
+    values = torch.randint(-50, 50, (rows, width), generator=torch.Generator().manual_seed(seed)).double()
+    assert torch.equal(blocked_running_sum(values), torch.cumsum(values, dim=-1))  # integers: exact
 
 
 def test_stop_tokens_and_streaming():

@@ -7,6 +7,16 @@ every backend (torch or ONNX Runtime with NumPy) picks the same token for the sa
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+# The longest scan a CUDA graph holds. Inductor splits a scan over more elements into blocks
+# when it has few rows (a SplitScan: fewer than 64 rows an SM, 8448 on an H100), and torch
+# 2.11's Triton code generation fails on that kernel for the sampling step of a server's 8 rows
+# over a 32000-token vocabulary ("list indices must be integers or slices, not NoneType" in
+# `TritonSymbols.get_block_shape`). A scan of 32 or fewer is never split. On the CPU inductor
+# scans a row in one loop.
+SCAN_BLOCK = 32
+SHORT_SCAN_DEVICES = frozenset({"cuda"})
 
 
 def beam_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +78,7 @@ def _nucleus(
     probs = torch.softmax(sorted_logits, dim=-1)  # [N, V], descending
     rank = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab)[:, None]
-    mass_before = torch.cumsum(probs, dim=-1) - probs
+    mass_before = running_sum(probs) - probs
     keep = (rank < k) & (mass_before < top_p[:, None])  # the top token is always kept
     return order, probs * keep
 
@@ -76,7 +86,7 @@ def _nucleus(
 def _draw(order: torch.Tensor, weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The token whose slice of the cumulative `weights [N, V]` (in `order`'s token ids) holds
     `uniform [N]` times their sum: ids `[N]`."""
-    cdf = torch.cumsum(weights, dim=-1)
+    cdf = running_sum(weights)
     target = uniform[:, None] * cdf[:, -1:]
     choice = (cdf <= target).sum(dim=-1).clamp(max=weights.shape[-1] - 1)  # first index whose cdf passes u
     return order.gather(-1, choice[:, None])[:, 0]
@@ -114,3 +124,27 @@ def verify_sample(
     keep = (drafted[:, 0] >= 0) & (flat_uniform[:, 0] < p_draft)
     redrawn = _draw(order, weights * ~is_draft, flat_uniform[:, 1])
     return torch.where(keep, drafted[:, 0], redrawn).reshape(batch, width)
+
+
+def running_sum(values: torch.Tensor) -> torch.Tensor:
+    """The cumulative sum of `values [N, V]` over V. On the CPU one scan (sequential, as NumPy's
+    on the host, so every CPU backend draws the same token); on CUDA, where a scan is parallel
+    and so rounds differently anyway, scans of at most `SCAN_BLOCK`, which inductor compiles."""
+    if values.device.type not in SHORT_SCAN_DEVICES:
+        return torch.cumsum(values, dim=-1)
+    return blocked_running_sum(values)
+
+
+def blocked_running_sum(values: torch.Tensor) -> torch.Tensor:
+    """`torch.cumsum(values, -1)` for `[N, V]` as scans of at most `SCAN_BLOCK` elements: the
+    running sum within each block, plus the sum of the blocks before it, found the same way.
+    With blocks of 2: [1, 2, 3, 4, 5] -> blocks [1, 2] [3, 4] [5, 0], sums within [1, 3] [3, 7]
+    [5, 5], block totals [3, 7, 5], totals before each block [0, 3, 10] -> [1, 3, 6, 10, 15]."""
+    rows, width = values.shape
+    if width <= SCAN_BLOCK:
+        return torch.cumsum(values, dim=-1)
+    blocks = -(-width // SCAN_BLOCK)
+    padded = F.pad(values, (0, blocks * SCAN_BLOCK - width)).view(rows, blocks, SCAN_BLOCK)
+    within = torch.cumsum(padded, dim=-1)  # [N, blocks, SCAN_BLOCK]
+    before = F.pad(blocked_running_sum(within[:, :, -1])[:, :-1], (1, 0))  # [N, blocks]
+    return (within + before[:, :, None]).view(rows, blocks * SCAN_BLOCK)[:, :width]
