@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from onnx_host_values import host_values_read_on_the_device
 
 import staticrt
 from staticrt.artifacts.manifest import seal, sha256
+from staticrt.backends.onnx_session import has_cuda_device
 from staticrt.caches import CacheSpec
 from staticrt.errors import ArtifactError, GenerationError
 from staticrt.exporters import export_artifact
@@ -58,6 +60,8 @@ def eager(hf_checkpoints, family: str, cache: str):
 def test_onnx_greedy_tokens_equal_transformers_and_sampling_equals_eager(onnx_artifacts, hf_checkpoints, family, cache):
     gen = load_artifact(onnx_artifacts[family, cache], backend="onnx")
     assert gen.backend.name == "onnx"
+    if not has_cuda_device():  # onnxruntime takes a CUDA GPU where there is one
+        assert gen.backend.report() == {"device": "cpu", "cuda_graph": False}
     tokens = gen.generate(prompts(), max_new_tokens=NEW_TOKENS)
     hf_model = hf_checkpoints[family][1]
     assert tokens == [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts()]
@@ -70,7 +74,7 @@ def test_onnx_greedy_tokens_equal_transformers_and_sampling_equals_eager(onnx_ar
 
 def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):
     from staticrt.backends.onnx import OnnxBackend
-    from staticrt.backends.onnx_session import has_cuda_device
+    from staticrt.backends.onnx_session import OnnxCudaGraphWarning
     from staticrt.generation.generator import Generator
 
     if not has_cuda_device():
@@ -79,10 +83,13 @@ def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):
         pytest.skip(f"onnxruntime {onnxruntime.__version__} lacks the CUDA provider (onnxruntime-gpu has it)")
     folder = onnx_artifacts["gemma2", "hybrid"]
     cpu = Generator(OnnxBackend(folder, device="cpu")).generate(prompts(), max_new_tokens=NEW_TOKENS)
-    gen = Generator(OnnxBackend(folder, device="cuda"))
-    assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu
-    assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu
-    assert gen.backend.cuda_graphs  # decode replayed one captured graph (else an OnnxCudaGraphWarning says why)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = Generator(OnnxBackend(folder, device="cuda"))
+    refused = [str(w.message) for w in caught if issubclass(w.category, OnnxCudaGraphWarning)]
+    assert gen.backend.report() == {"device": "cuda", "cuda_graph": True}, refused
+    assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu, "first generation (captures decode)"
+    assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == cpu, "second generation (replays it)"
 
 
 def test_no_value_from_a_shape_is_read_on_the_device_so_onnx_runtime_can_capture_a_cuda_graph(onnx_artifacts):

@@ -92,6 +92,11 @@ class OnnxBackend(ArtifactBackend):
             self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
             self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
 
+    def report(self) -> dict[str, Any]:
+        """Where the graph ran and whether its decode replayed a captured CUDA graph: the speed of
+        ONNX Runtime on CUDA hangs on it (its warning, OnnxCudaGraphWarning, says why not)."""
+        return {"device": self.device, "cuda_graph": self.cuda_graphs}
+
     @property
     def verify_refusal(self) -> str | None:
         """Why this runner cannot check drafts (speculative.check_verifies), or None where it can."""
