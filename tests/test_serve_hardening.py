@@ -454,13 +454,13 @@ def test_a_server_that_dies_starting_leaves_its_whole_log_named_in_the_error(tmp
     import re
     import sys
 
-    from staticrt.bench.serve_bench import server_process
+    from staticrt.bench.server_process import server_process
     from staticrt.errors import GenerationError
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     dies = [sys.executable, "-c", "print('compiling the prefill64_greedy step graph'); print('x' * 3000); exit(3)"]
     with pytest.raises(GenerationError, match=r"exited with 3 \(its whole log: (\S+)\):\n") as raised:
-        with server_process(dies, 1, {}, timeout_s=30):
+        with server_process(dies, 1, timeout_s=30):
             pass
     kept = re.search(r"its whole log: (\S+)\)", str(raised.value)).group(1)
     assert kept.startswith(str(tmp_path))

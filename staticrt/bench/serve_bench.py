@@ -15,20 +15,17 @@ same weights and turns the same text into the same ids.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from ..errors import GenerationError
 from .serve_load import LoadRequest, run_chat_load, run_load, workload
+from .server_process import server_process
 
 Stage = Callable[[str], None]
 
@@ -102,66 +99,12 @@ def checkpoint_folder(model: str, work: Path) -> Path:
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RunningServer(NamedTuple):
-    url: str
-    pid: int
-
-
-@contextmanager
-def server_process(
-    command: list[str], port: int, env: dict[str, str], timeout_s: float, health: str = "/health"
-) -> Iterator[RunningServer]:
-    """`command` (a server listening on `port`) running until left; yields its URL and process id
-    once `health` answers.
-    Where it fails to come up, its whole log is kept (the error names the file): a compiler's
-    traceback is longer than any tail, and the line naming the graph it was building comes first."""
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(mode="w+", prefix="staticrt-serve-", suffix=".log", delete=False)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    failed = False
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                failed = True
-                log.seek(0)
-                tail = log.read()[-2000:]
-                why = f"exited with {process.returncode}" if process.poll() is not None else f"not up in {timeout_s} s"
-                raise GenerationError(f"{' '.join(command[:4])} ... {why} (its whole log: {log.name}):\n{tail}")
-            try:
-                if httpx.get(f"{url}{health}", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield RunningServer(url, process.pid)
-    finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-        if not failed:
-            os.unlink(log.name)
-
-
 def measure_server(
     command: list[str], model: str, request: ServeBenchRequest, load: Any, health: str = "/health"
 ) -> dict[str, Any]:
     """The load on the server `command` starts: `load` a list of requests, or a chat workload's
     (system prompt, conversations); after one warm-up request, so first-use costs stay out."""
-    port = _free_port()
-    env = {"OMP_NUM_THREADS": str(request.threads)} if request.threads else {}
-    with server_process([*command, "--port", str(port)], port, env, timeout_s=900, health=health) as (url, _):
+    with server_process(command, request.threads, health=health) as (url, _):
         if isinstance(load, tuple):
             system, conversations = load
             run_load(url, model, [LoadRequest("warm-up", 4)], 1, request.duration_s)  # shares no prefix

@@ -248,7 +248,8 @@ def run_soak_bench(request: Any, on_stage: Any = lambda _: None) -> dict[str, An
 
     from ..generation.buckets import chunk_end
     from .machine import machine
-    from .serve_bench import _free_port, checkpoint_folder, server_process, staticrt_command
+    from .serve_bench import checkpoint_folder, staticrt_command
+    from .server_process import server_process
 
     interval = max(5.0, min(60.0, request.duration_s / 10))
     with tempfile.TemporaryDirectory(prefix="staticrt-soak-") as work:
@@ -257,12 +258,11 @@ def run_soak_bench(request: Any, on_stage: Any = lambda _: None) -> dict[str, An
         from ..text.tokenizer import load_tokenizer
 
         vocab = load_tokenizer(folder).backend.get_vocab_size()
-        port, rows = _free_port(), request.max_batch_size
-        command = [*staticrt_command(folder, request), "--max-queue", str(rows), "--port", str(port)]  # the last wins
+        rows = request.max_batch_size
+        command = [*staticrt_command(folder, request), "--max-queue", str(rows)]  # the last wins
         command += ["--speculative", request.speculative] if request.speculative else []
-        env = {"OMP_NUM_THREADS": str(request.threads)} if request.threads else {}
         on_stage(f"staticrt serve ({request.backend}; starting, compiling)")
-        with server_process(command, port, env, timeout_s=900) as (url, pid):
+        with server_process(command, request.threads) as (url, pid):
             context, answer = request.max_cache_len, 8  # a long prompt's answer is under 8 tokens
             fits = [n for n in range(1, context) if chunk_end(request.prefill_buckets, n) <= context - answer]
             load = SoakLoad(url, "bench", vocab, rows, rows, context, longest=max(fits))
