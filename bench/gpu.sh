@@ -32,6 +32,9 @@
 # `ab` compiling beside them (cut short at 87 of 111), ab 267 s from cold with the tests beside it.
 # `tests` alone with 14 workers, cold, on an H200: 225 s (82 passed, 4 failed, 3 skipped). `offload` (cudagraph
 # only) 153 s with the prefill graph already compiled. A stage cut short writes no JSON: give each its own command.
+# On an H200 (2026-11-27, cold): `onnx` 50 s of tests then 152 s of bench (cudagraph's two graphs 82 s);
+# `DTYPE=float32 offload` past 240 s (the 8192-token prefill graph alone 151 s in float32); `serve`
+# compiles 14 graphs, 10-23 s each.
 # Name `--dist load` (as `tests` does) in any other pytest command there: the project's default,
 # loadfile, runs a file on one worker. onnxruntime-gpu is over what a lent machine can be sent in one
 # call: bench/ort_parts.py splits it in two.

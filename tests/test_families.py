@@ -93,13 +93,15 @@ def test_compiled_and_replayed_graphs_give_transformers_tokens(hf_checkpoints, e
 
 
 @pytest.mark.parametrize("family", NEW_FAMILIES)
-def test_onnx_and_torch_export_artifacts_give_transformers_tokens(hf_checkpoints, expected, tmp_path, family):
+def test_onnx_torch_export_and_aoti_artifacts_give_transformers_tokens(hf_checkpoints, expected, tmp_path, family):
     """The ONNX graph (norms and rotaries fused where they match the standard ops), run by
-    staticrt's runner and by onnxruntime-genai, and the torch.export programs AOTInductor
-    compiles (compiled for Phi-3 below)."""
+    staticrt's runner and by onnxruntime-genai, the torch.export programs, and the same programs
+    compiled by AOTInductor (one export: the programs are traced once for both)."""
     model = staticrt.load_model(hf_checkpoints[family][0])
-    folder = export_artifact(model, CacheSpec(cache_of(family), 3, 160), [64], tmp_path / family, ["pt2", "onnx"])
-    for backend in ("onnx", "pt2"):
+    folder = export_artifact(
+        model, CacheSpec(cache_of(family), 3, 160), [64], tmp_path / family, ["pt2", "aoti", "onnx"]
+    )
+    for backend in ("onnx", "pt2", "aoti"):
         assert load_artifact(folder, backend).generate(PROMPTS, NEW_TOKENS) == expected(family), backend
     if family in WINDOWED or family == "phi3":
         # genai sizes a rotating layer its own way (tests/test_onnx.py runs the windows it takes), and
@@ -112,14 +114,6 @@ def test_onnx_and_torch_export_artifacts_give_transformers_tokens(hf_checkpoints
     for prompt, want in zip(PROMPTS, expected(family), strict=True):
         tokens = genai_greedy(og, genai, prompt, NEW_TOKENS)  # up to its eos: 0, these configs having none
         assert tokens == want[: len(tokens)] and (tokens == want or tokens[-1] == 0)
-
-
-def test_aoti_runs_phi3s_partial_rotary_and_longrope_switch(hf_checkpoints, expected, tmp_path):
-    """AOTInductor's compiled programs, on the family whose step differs most from Llama's: a
-    partial rotary, two sets of frequencies chosen in the graph, the restart at the switch."""
-    model = staticrt.load_model(hf_checkpoints["phi3"][0])
-    folder = export_artifact(model, CacheSpec("static", 3, 160), [64], tmp_path / "phi3", ["aoti"])
-    assert load_artifact(folder, "aoti").generate(PROMPTS, NEW_TOKENS) == expected("phi3")
 
 
 def test_longrope_restarts_a_row_from_position_0_at_its_switch_as_transformers_does(

@@ -104,19 +104,14 @@ def test_compiled_and_replayed_graphs_give_transformers_tokens(hf_checkpoints, e
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_onnx_and_torch_export_artifacts_give_transformers_tokens(hf_checkpoints, expected, tmp_path, family):
-    """The routing as standard ops (TopK, Gather, MatMul), the experts' weights stored once."""
+def test_onnx_torch_export_and_aoti_artifacts_give_transformers_tokens(hf_checkpoints, expected, tmp_path, family):
+    """The routing as standard ops (TopK, Gather, MatMul), the experts' weights stored once; the
+    torch.export programs, and AOTInductor's compile of them (gpt-oss: sinks, biased experts)."""
     model = staticrt.load_model(hf_checkpoints[family][0])
     cache = WINDOWED.get(family, "static")
-    folder = export_artifact(model, CacheSpec(cache, 4, 96), [64], tmp_path / family, ["pt2", "onnx"])
-    for backend in ("onnx", "pt2"):
+    folder = export_artifact(model, CacheSpec(cache, 4, 96), [64], tmp_path / family, ["pt2", "aoti", "onnx"])
+    for backend in ("onnx", "pt2", "aoti"):
         assert load_artifact(folder, backend).generate(PROMPTS, NEW_TOKENS) == expected(family), backend
-
-
-def test_aoti_runs_gpt_oss_sinks_biases_and_experts(hf_checkpoints, expected, tmp_path):
-    model = staticrt.load_model(hf_checkpoints["gpt_oss"][0])
-    folder = export_artifact(model, CacheSpec("hybrid", 4, 96), [64], tmp_path / "gpt_oss", ["aoti"])
-    assert load_artifact(folder, "aoti").generate(PROMPTS, NEW_TOKENS) == expected("gpt_oss")
 
 
 def test_moe_variants_not_implemented_are_refused_by_name():
