@@ -131,7 +131,8 @@ def test_where_onnx_runtime_will_not_capture_a_cuda_graph_the_session_runs_witho
     with pytest.warns(OnnxCudaGraphWarning) as caught:
         _, graphs = session(path, manifest["onnx"], None, "cuda", True, manifest)
     assert graphs is False
-    assert asked == [("CUDAExecutionProvider", {"enable_cuda_graph": flag}) for flag in ("1", "0")]
+    # float32 in float32: ONNX Runtime's CUDA provider would take TF32 (a 10-bit mantissa) by default
+    assert asked == [("CUDAExecutionProvider", {"enable_cuda_graph": flag, "use_tf32": "0"}) for flag in ("1", "0")]
     assert [str(w.message) for w in caught] == [
         f"{path}: ONNX Runtime would not capture its decode step in a CUDA graph ({refusal}); decode runs on CUDA "
         "without one, launching each node's kernels every step. Its node placements (the session at log level 0, "

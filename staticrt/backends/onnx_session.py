@@ -60,7 +60,10 @@ def _session(
         options.intra_op_num_threads = threads
     providers: list[Any] = ["CPUExecutionProvider"]
     if device == "cuda":
-        providers.insert(0, ("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graphs else "0"}))
+        # ONNX Runtime's CUDA provider multiplies float32 matrices in TF32 (10-bit mantissas) unless
+        # told not to; a float32 artifact computes in float32, as torch's CUDA backends do
+        cuda = {"enable_cuda_graph": "1" if cuda_graphs else "0", "use_tf32": "0"}
+        providers.insert(0, ("CUDAExecutionProvider", cuda))
     try:
         return ort.InferenceSession(str(path), options, providers=providers)
     except Exception as err:  # onnxruntime raises its own exception types, by status
