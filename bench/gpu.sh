@@ -15,6 +15,8 @@
 #                                   for tokens that agree; its first call ran past 240 s: give it 600)
 #   bench/gpu.sh onnx    OUT        ONNX Runtime's CUDA tests, then bench-1b in float16: ONNX Runtime
 #                                   with its CUDA graph beside cudagraph (needs onnxruntime-gpu)
+#   bench/gpu.sh profile OUT [B]    a decode step of bench-1b bf16 on cudagraph, kernel by kernel
+#                                   (torch's profiler; bench/kernel_profile.py), toward the copy rate
 #   bench/gpu.sh placement OUT      where ONNX Runtime's CUDA provider places a tiny Gemma2 graph: the
 #                                   host-device copies that keep its CUDA graph off (bench/onnx_placement.py)
 #   bench/gpu.sh serve   OUT        bench-serve on bench-llama, cudagraph backend, against transformers
@@ -40,7 +42,7 @@
 # call: bench/ort_parts.py splits it in two.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage="usage: bench/gpu.sh tests|suite|ab|decode|offload|onnx|placement|serve OUT [BATCH ... | AB ARGS]"
+usage="usage: bench/gpu.sh tests|suite|ab|decode|offload|onnx|profile|placement|serve OUT [BATCH ... | AB ARGS]"
 if [ $# -lt 2 ]; then
     echo "$usage" >&2
     exit 2
@@ -106,6 +108,10 @@ onnx)
     "$py" -m pytest -v -p no:cacheprovider -p no:logging --tb=short tests/test_onnx.py -k cuda 2>&1 |
         tee "$out/onnx-tests.log"
     bench onnx-bench-1b --model bench-1b --dtype float16 --new-tokens 128 --backends onnx,cudagraph
+    ;;
+profile)
+    "$py" bench/kernel_profile.py "$out/kernels-bench-1b-b${1:-1}-$gpu.json" --batch "${1:-1}" 2>&1 |
+        tee "$out/profile.log"
     ;;
 placement)
     "$py" -m staticrt.cli export --model tiny-gemma2 --cache hybrid --max-cache-len 128 --format onnx \
