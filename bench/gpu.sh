@@ -39,7 +39,8 @@
 # compiles 14 graphs, 10-23 s each.
 # Name `--dist load` (as `tests` does) in any other pytest command there: the project's default,
 # loadfile, runs a file on one worker. onnxruntime-gpu is over what a lent machine can be sent in one
-# call: bench/ort_parts.py splits it in two.
+# call: bench/ort_parts.py splits it in two (bench/gpu_env.sh installs what was carried: the wheels in
+# .whl with part a in .whl/a one call, part b in .whl2/b the next).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 usage="usage: bench/gpu.sh tests|suite|ab|decode|offload|onnx|profile|placement|serve OUT [BATCH ... | AB ARGS]"
@@ -56,6 +57,8 @@ if ! "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
         "run it on a machine with a GPU and torch's CUDA build" >&2
     exit 2
 fi
+# shellcheck source=bench/gpu_env.sh
+. bench/gpu_env.sh  # the carried wheels and onnxruntime-gpu's parts, where the image lacks them
 mkdir -p "$out"
 # the GPU's short name, its first word with a digit: "NVIDIA H100 80GB HBM3" -> h100
 gpu=$("$py" -c "import torch; w = torch.cuda.get_device_name().lower().split(); print(next(x for x in w if any(c.isdigit() for c in x)))")
