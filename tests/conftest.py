@@ -6,8 +6,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from hypothesis import settings
+
+# pytest-xdist's two workers on two cores, each with torch's two threads: libgomp's threads spin
+# between parallel regions, so a worker's idle threads took the core the other worker's were
+# waiting for. Sleeping instead (read once, when torch loads libgomp; subprocesses inherit it)
+# took test_mamba + test_recurrent from 887 to 508 CPU-seconds and 632 to 503 s of wall time
+# (docs/measurements.md, "The test suite"); eager decoding and transformers' reference 2-5x faster.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # Property tests: "ci" (the default) is derandomised and takes seconds; STATICRT_HYPOTHESIS=long
 # searches thousands of examples a test.
