@@ -24,8 +24,7 @@ import staticrt
 from staticrt import GenerationError
 from staticrt.backends.eager import VERIFY
 from staticrt.bench.probes import weight_bytes_per_step
-from staticrt.models import a8_kernels, f32_kernels
-from staticrt.models.a8_linear import F32Linear
+from staticrt.models import a8_kernels
 from staticrt.models.packed_linear import PACK_MIN_HIDDEN, PackedLinear, PackedLookup, address, packing_available
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
@@ -116,44 +115,28 @@ def test_a_new_backend_loads_the_stored_graphs_and_gives_transformers_tokens(lla
     assert entries() == kept  # nothing new written
 
 
-@pytest.fixture
-def onednn(monkeypatch):
-    """float32 graphs on oneDNN's packed linear, as where staticrt's float kernel cannot be built
-    (and for bfloat16): the kernel's own twin is test_f32_kernels.py's."""
-    monkeypatch.setattr(f32_kernels, "usable", lambda dtype: False)
-
-
-@pytest.mark.parametrize("kernel", [True, False])
-def test_every_packed_graph_reads_one_packed_copy_of_the_weights(llama_256, kernel, monkeypatch):
+def test_every_packed_graph_reads_one_packed_copy_of_the_weights(llama_256):
     """The decode, verify and prefill graphs trace over one packed twin of the model (packed_linear.py):
-    its linear layers read one row-major copy on staticrt's float kernel (or oneDNN's packed
-    copies), everything else is the model's own tensors; weights replaced since make a new twin."""
-    if not kernel:
-        monkeypatch.setattr(f32_kernels, "usable", lambda dtype: False)
-    elif not f32_kernels.usable(torch.float32):
-        pytest.skip(f"staticrt's float kernel cannot run here: {a8_kernels.unavailable()}")
+    its linear layers read oneDNN's packed copies, everything else is the model's own tensors;
+    weights replaced since make a new twin of the new ones."""
     model = staticrt.load_model(llama_256[0])
     backend = staticrt.Generator(model, max_batch_size=1, max_cache_len=64, backend="compiled").backend
     keys = ((1, "pick", False), (5, VERIFY, False), (16, "pick", True))
     decode, verify, prefill = (backend._stored_graph(key).model for key in keys)
     assert decode is verify is prefill is not model
-    dense = (lambda w: w) if kernel else (lambda w: w.to_dense())
-    packed = decode.layers[0].mlp.down_proj
-    assert isinstance(packed, F32Linear) == kernel and packed.weight.is_mkldnn != kernel
-    assert torch.equal(dense(packed.weight), model.layers[0].mlp.down_proj.weight)
+    packed = decode.layers[0].mlp.down_proj.weight
+    assert packed.is_mkldnn and torch.equal(packed.to_dense(), model.layers[0].mlp.down_proj.weight)
     assert decode.embed_tokens.weight is model.embed_tokens.weight and decode.norm is not model.norm
     assert decode.norm.weight is model.norm.weight and not model.layers[0].mlp.down_proj.weight.is_mkldnn
 
     layer = model.layers[0].mlp.down_proj
     layer.weight = torch.nn.Parameter(layer.weight.detach() * -1, requires_grad=False)
     again = backend._stored_graph(keys[0]).model
-    assert again is not decode and torch.equal(dense(again.layers[0].mlp.down_proj.weight), layer.weight)
+    assert again is not decode and torch.equal(again.layers[0].mlp.down_proj.weight.to_dense(), layer.weight)
 
 
 @pytest.mark.parametrize("store", ["on", "off"])
-def test_a_model_packed_in_place_holds_its_weights_once_and_gives_transformers_tokens(
-    llama_256, store, monkeypatch, onednn
-):
+def test_a_model_packed_in_place_holds_its_weights_once_and_gives_transformers_tokens(llama_256, store, monkeypatch):
     """`load_model(packed=True)` (what a compiled CLI process loads): every linear layer, and the
     tied head, read packed copies and no float matrix is left; the model is its own twin, and
     compiled graphs stored or compiled in the process (every one frozen, holding its tensors) and
@@ -174,7 +157,7 @@ def test_a_model_packed_in_place_holds_its_weights_once_and_gives_transformers_t
         assert backend._stored_graph((1, "pick", False)).model is model
 
 
-def test_a_tied_model_packed_in_place_holds_its_table_once_packed_and_looks_rows_up_in_it(tmp_path, onednn):
+def test_a_tied_model_packed_in_place_holds_its_table_once_packed_and_looks_rows_up_in_it(tmp_path):
     """Packed in place, a tied model's head reads a packed copy of the table and its lookup reads
     the rows out of that copy: no other tensor of the table's size is held; compiled and eager
     give transformers' tokens, and the bench counts the table's bytes once, as unpacked."""

@@ -41,7 +41,7 @@ import torch
 
 from ..artifacts.user_cache import cache_root
 from ..errors import ConfigError
-from . import a8_source, f32_source
+from .a8_source import SOURCE
 
 log = logging.getLogger("staticrt")
 BLOCK = 32  # activation values a scale
@@ -51,24 +51,6 @@ FLAGS = {
     "avx512_vnni": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vnni", "-mf16c", "-fopenmp"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
 }
-# Each op's schema, and the fake (shape-only) function torch.compile traces it with.
-OPS = {
-    "int8_linear": "(Tensor x, Tensor w, Tensor scales) -> Tensor",  # [M, K] x [N, ...] -> [M, N]
-    "int4_linear": "(Tensor x, Tensor codes, Tensor dm) -> Tensor",
-    "int8_experts": "(Tensor x, Tensor codes, Tensor scales, Tensor index) -> Tensor",  # [R, K] x [E, N, ...] -> [R, N]
-    "int4_experts": "(Tensor x, Tensor codes, Tensor dm, Tensor index) -> Tensor",
-    "f32_linear": "(Tensor x, Tensor w) -> Tensor",
-    "f32_experts": "(Tensor x, Tensor w, Tensor index) -> Tensor",
-}
-SOURCE = (
-    a8_source.SOURCE
-    + f32_source.SOURCE
-    + "TORCH_LIBRARY(staticrt, m) {\n"
-    + "".join(f'  m.def("{op}{schema}");\n' for op, schema in OPS.items())
-    + "}\nTORCH_LIBRARY_IMPL(staticrt, CPU, m) {\n"
-    + "".join(f'  m.impl("{op}", &{op});\n' for op in OPS)
-    + "}\n"
-)
 _loaded = False
 
 
@@ -90,27 +72,27 @@ def unavailable() -> str | None:
     return None if isa() is not None else "this CPU has neither AVX512-VNNI nor AVX2 (or no /proc/cpuinfo says so)"
 
 
-def load(quantize: str | None = "int8-a8") -> None:
-    """Make staticrt's ops (`OPS`) callable: the library from the user cache, compiled there first
-    if absent; a machine that cannot run or build it is refused with the way out, `quantize`
-    (int8-a8, int4-a8) naming what asked for it, None the float kernels (f32_kernels.py)."""
+def load(quantize: str = "int8-a8") -> None:
+    """Make `torch.ops.staticrt.int8_linear` and `int4_linear` callable: the library from the user
+    cache, compiled there first if absent; a machine that cannot run or build it is refused with
+    the way out, `quantize` (int8-a8, int4-a8) naming what asked for it."""
     global _loaded
     if _loaded:
         return
-    asker = f"quantize {quantize!r}" if quantize else "float32 decode"
-    kernels = "int8-activation kernels" if quantize else "float32 kernels"
-    # torchao's weight-only quantization, or oneDNN's float linear: the way out
-    way_out = f"use --quantize {quantize.removesuffix('-a8')}" if quantize else "it runs on oneDNN's linear"
+    weights_only = quantize.removesuffix("-a8")  # torchao's weight-only quantization, the way out
     reason = unavailable()
     if reason is not None:
-        raise ConfigError(f"{asker} runs staticrt's {kernels}, and {reason}; {way_out}")
+        raise ConfigError(
+            f"quantize {quantize!r} runs staticrt's int8-activation kernels, and {reason}; "
+            f"use --quantize {weights_only}"
+        )
     flags = FLAGS[isa()]
     digest = hashlib.sha256((SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels" / f"a8-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     name = f"staticrt_a8_{digest}"
     if not (folder / f"{name}.so").exists():
-        log.info("compiling staticrt's kernels once into %s (about 20 s)", folder)
+        log.info("compiling staticrt's int8-activation kernels once into %s (about 20 s)", folder)
     from torch.utils.cpp_extension import load_inline
 
     try:
@@ -124,17 +106,20 @@ def load(quantize: str | None = "int8-a8") -> None:
         )
     except (RuntimeError, OSError) as err:  # no compiler, or one without these flags
         raise ConfigError(
-            f"{asker} could not build staticrt's {kernels} in {folder}: {str(err).splitlines()[0]}; install a "
-            f"C++ compiler that takes {' '.join(flags)} (g++ 10 or newer does), or {way_out}"
+            f"quantize {quantize!r} could not build staticrt's int8-activation kernels in {folder}: "
+            f"{str(err).splitlines()[0]}; install a C++ compiler that takes {' '.join(flags)} (g++ 10 or newer "
+            f"does), or use --quantize {weights_only}"
         ) from None
-    for op in OPS:
-        torch.library.register_fake(f"staticrt::{op}")(_experts_shape if "experts" in op else _shape)
+    for op in ("int8_linear", "int4_linear"):  # for torch.compile: [M, K] x [N, ...] -> [M, N]
+        torch.library.register_fake(f"staticrt::{op}")(_shape)
+    for op in ("int8_experts", "int4_experts"):  # [R, K] x [E, N, ...] -> [R, N]
+        torch.library.register_fake(f"staticrt::{op}")(_experts_shape)
     _loaded = True
 
 
-def _shape(x: torch.Tensor, w: torch.Tensor, *scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[0])
+def _shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])
 
 
-def _experts_shape(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[1])  # rest: the scales, if any, and the index
+def _experts_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[1])

@@ -1,7 +1,6 @@
-"""Projections (and the head) run by staticrt's kernels (a8_kernels.py): as integer codes,
-`Int8Linear` for quantize "int8-a8" and `Int4Linear` for the projections of "int4-a8", each holding
-its codes and scales as buffers (what `bench` counts as a step's bytes); and `F32Linear`, a float32
-weight as the model holds it, multiplied by the float kernel in decode steps. All compute in
+"""Projections (and the head) as integer codes run by staticrt's int8-activation kernels
+(a8_kernels.py): `Int8Linear` for quantize "int8-a8", `Int4Linear` for the projections of "int4-a8".
+Each holds its codes and scales as buffers (what `bench` counts as a step's bytes) and computes in
 float32; a fused projection's forward returns its parts."""
 
 from __future__ import annotations
@@ -38,23 +37,6 @@ class Int8Linear(A8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:  # x [..., K] -> [..., N]
         return self.finish(torch.ops.staticrt.int8_linear(x.reshape(-1, x.shape[-1]), self.codes, self.scales), x)
-
-
-class F32Linear(A8Linear):
-    """A float32 weight `[N, K]` row-major: the model's own tensor where it is (packed in place
-    from a checkpoint's layout), else a row-major copy of a column-major one (the twin of a model
-    laid out for torch's CPU GEMV, as oneDNN's packed copy was). `f32_linear` streams it for a
-    decode step's few rows and hands a prefill's rows to torch's GEMM (f32_kernels.py)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: dict[str, int] | None = None):
-        super().__init__(bias, parts)
-        if weight.is_contiguous() and isinstance(weight, nn.Parameter):
-            self.weight = weight
-        else:
-            self.weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:  # x [..., K] -> [..., N]
-        return self.finish(torch.ops.staticrt.f32_linear(x.reshape(-1, x.shape[-1]), self.weight), x)
 
 
 class Int4Linear(A8Linear):

@@ -1,7 +1,6 @@
 """The C++ of staticrt's int8-activation kernels (a8_kernels.py says what they compute, with a
 worked example, and builds this source once a machine): `int8_linear`, `int4_linear`, and
-`int8_experts` and `int4_experts`, which run each row through its own expert's codes (expert_quant.py).
-The float kernels (f32_source.py) follow it in one library; a8_kernels.py registers the ops."""
+`int8_experts` and `int4_experts`, which run each row through its own expert's codes (expert_quant.py)."""
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -250,5 +249,18 @@ torch::Tensor int4_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor d
               yp + r * N + n0);
   });
   return y;
+}
+
+TORCH_LIBRARY(staticrt, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor dm) -> Tensor");
+  m.def("int8_experts(Tensor x, Tensor codes, Tensor scales, Tensor index) -> Tensor");
+  m.def("int4_experts(Tensor x, Tensor codes, Tensor dm, Tensor index) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(staticrt, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_experts", &int8_experts);
+  m.impl("int4_experts", &int4_experts);
 }
 """

@@ -31,7 +31,6 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from .a8_kernels import STEP
 from .a8_linear import Int4Linear, Int8Linear, int4_weight
-from .moe import Experts, kernel_rows
 from .quant_spec import QuantSpec
 
 
@@ -65,18 +64,21 @@ class QuantizedStack(nn.Module):
     def project(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert)
         through the experts `chosen [T, k]`, on the kernels (`int8_experts`, `int4_experts`): `[T, k, N]`."""
-        rows, index = kernel_rows(x, chosen), chosen.reshape(-1)
+        tokens, k = chosen.shape
+        rows = (x[:, None].expand(tokens, k, x.shape[-1]) if x.dim() == 2 else x).reshape(tokens * k, -1)
         if self.bits == 8:
-            out = torch.ops.staticrt.int8_experts(rows, self.codes, self.scales, index)
+            out = torch.ops.staticrt.int8_experts(rows, self.codes, self.scales, chosen.reshape(-1))
         else:
-            out = torch.ops.staticrt.int4_experts(rows, self.codes, self.dm, index)
-        return out.view(*chosen.shape, -1)
+            out = torch.ops.staticrt.int4_experts(rows, self.codes, self.dm, chosen.reshape(-1))
+        return out.view(tokens, k, -1)
 
 
 def quantize_experts(model: nn.Module, spec: QuantSpec) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Every expert stack of `model` at `spec`'s width, in place (the routers and biases stay float:
     a router's choice is discrete, and llama.cpp keeps its `ffn_gate_inp` unquantized too); returns
     what it replaced, (experts, name, float stack), for `experts_quantized` to put back."""
+    from .moe import Experts
+
     replaced = []
     for experts in [m for m in model.modules() if isinstance(m, Experts)]:
         for name in ("gate_up_proj", "down_proj"):

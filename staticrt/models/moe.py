@@ -28,13 +28,6 @@ from ..config import ModelConfig
 from .feed_forward import activate, uses_tanh_gelu
 
 
-def kernel_rows(x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """A kernel's rows `[T * k, K]`, row t * k + j going through expert chosen[t, j]: `x [T, K]`
-    repeated for each of a token's k experts, or `[T, k, K]` as it is."""
-    tokens, k = chosen.shape
-    return (x[:, None].expand(tokens, k, x.shape[-1]) if x.dim() == 2 else x).reshape(tokens * k, -1)
-
-
 class Experts(nn.Module):
     """E experts' gated MLPs, stacked: `gate_up_proj [E, 2I, H]` (an expert's gate rows, then its up
     rows) and `down_proj [E, H, I]`, and with `bias` their biases `[E, 2I]`, `[E, H]`
@@ -47,19 +40,14 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
-        self.streams = False  # float32 stacks on staticrt's kernel: set by packed_linear.pack's twin
 
     def project(self, name: str, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert)
         through `name` (gate_up_proj, down_proj) of the experts `chosen [T, k]` -> `[T, k, N]`:
-        on staticrt's kernels where the stack's codes (or float weights, `streams`) run there, else
-        over the gathered weights."""
+        on staticrt's int8 kernel where the stack's codes run there, else over the gathered weights."""
         stack = getattr(self, name)
         if getattr(stack, "kernel", False):
             return stack.project(x, chosen)
-        if self.streams and stack.shape[-1] % 16 == 0:  # the kernel's K
-            out = torch.ops.staticrt.f32_experts(kernel_rows(x, chosen), stack, chosen.reshape(-1))
-            return out.view(*chosen.shape, -1)
         weights = self.stack(name, chosen, x.dtype)  # [T, k, N, K]
         return torch.einsum("nh,nkoh->nko", x, weights) if x.dim() == 2 else torch.einsum("nki,nkhi->nkh", x, weights)
 

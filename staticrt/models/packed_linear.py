@@ -19,10 +19,7 @@ import ctypes
 import torch
 from torch import nn
 
-from . import f32_kernels
-from .a8_linear import F32Linear
 from .decoder import Decoder
-from .moe import Experts
 
 # oneDNN lays a weight out for the rows it expects; every count from 2 up gives one layout, which
 # multiplies one row as fast as the 1-row layout does (60 matrices of 1536x576, 2 threads, AMD
@@ -90,20 +87,16 @@ class PackedLinear(nn.Module):
         return y if self.parts is None else y.split(list(self.parts.values()), dim=-1)
 
 
-def _packed(module: nn.Module, twin: bool, kernel: bool) -> nn.Module:
-    """`module` with each linear layer below it packed (or on staticrt's float kernel, `kernel`,
-    reading the same tensor): a twin sharing every other tensor with it (`twin`), or the module
-    itself, each float matrix let go as its packed copy takes its place."""
+def _packed(module: nn.Module, twin: bool) -> nn.Module:
+    """`module` with each linear layer below it packed: a twin sharing every other tensor with it
+    (`twin`), or the module itself, each float matrix let go as its packed copy takes its place."""
     target = copy.copy(module) if twin else module  # a copy: a new __dict__ over the same tensors
     target._modules = dict(module._modules)
-    if kernel and isinstance(module, Experts):
-        target.streams = True  # each row through its expert's weights in place (f32_experts)
     for name, child in module._modules.items():
         if isinstance(child, nn.Linear):
-            linear = F32Linear if kernel else PackedLinear
-            target._modules[name] = linear(child.weight, child.bias, getattr(child, "parts", None))
+            target._modules[name] = PackedLinear(child.weight, child.bias, getattr(child, "parts", None))
         elif child is not None:
-            target._modules[name] = _packed(child, twin, kernel)
+            target._modules[name] = _packed(child, twin)
     return target
 
 
@@ -121,13 +114,10 @@ def pack(model: Decoder, twin: bool) -> Decoder:
     assert model.quantization is None, "a quantized model's linear layers are its kernels' own"
     if model.packed:
         return model
-    kernel = f32_kernels.usable(model.embed_tokens.weight.dtype)
     if not twin:
         _return_freed_memory()  # what loading let go: the packed copies are not stacked on top of it
-    packed = _packed(model, twin, kernel)
-    if model.lm_head is None and kernel:  # the head reads the table the lookup reads
-        packed.lm_head = F32Linear(model.embed_tokens.weight)
-    elif model.lm_head is None:  # tied
+    packed = _packed(model, twin)
+    if model.lm_head is None:  # tied
         table = model.embed_tokens.weight
         head = PackedLinear(table, None, None)
         lookup = None if twin else PackedLookup.of(head.weight, table)
