@@ -293,14 +293,51 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
     assert {cached[c, 2] for c in "ABC"} == {system} and "staticrt_prefix_pool_restores_total 0.0" in metrics
 
 
-def test_two_pool_entries_holding_the_same_ids_are_told_apart(hf_checkpoints):
-    """Two rows that held the same conversation both go to the pool; restoring the newer one takes
-    that one out (a server's replicas saw it: identical requests in a burst), as itself."""
+def test_a_row_the_pool_already_holds_is_not_copied_again(hf_checkpoints, monkeypatch):
+    """Clients repeating one prompt: each request overwrote a row holding what an entry already
+    held, and the pool took a copy each time (a server's RSS grew 5.6 KB a request, bench-serve's
+    soak). The same ids are kept once, that entry made the newest; other ids are not. Where layers
+    rotate, an entry is the same only with the same marks (what lies past its ids differs)."""
     from staticrt.serve.rows import RowMemory
 
-    backend = staticrt.Generator(staticrt.load_model(hf_checkpoints["llama"][0]), max_batch_size=2).backend
+    def memory_of(name: str, cache: str) -> tuple[RowMemory, list[int]]:
+        model = staticrt.load_model(hf_checkpoints[name][0])
+        backend = staticrt.Generator(model, max_batch_size=2, cache=cache, max_cache_len=64).backend
+        copies: list[int] = []
+        stash = backend.stash_row
+        monkeypatch.setattr(backend, "stash_row", lambda row, n: copies.append(row) or stash(row, n))
+        return RowMemory(backend, reuse=True, pool_bytes=2**20), copies
+
+    memory, copies = memory_of("llama", "static")
+    memory.held = [[7, 8], [1, 2, 3, 4]]
+    memory.seat(0, 0, order=0)
+    memory.seat(1, 0, order=1)
+    for order in range(2, 50):  # the repeated request: its row holds the same ids again each time
+        memory.held[order % 2] = [1, 2, 3, 4]
+        memory.seat(order % 2, 2, order=order)
+    assert [e.held for e in memory.pool] == [[7, 8], [1, 2, 3, 4]] and copies == [0, 1]
+    memory.held[0] = [7, 8]
+    memory.seat(0, 0, order=50)
+    assert [e.held for e in memory.pool] == [[1, 2, 3, 4], [7, 8]] and copies == [0, 1]
+
+    memory, copies = memory_of("mistral-sw16", "sliding")
+    for order, beyond in enumerate((0, 0, 5)):  # the same ids; the third with a tail written past them
+        memory.held[0], memory.beyond[0], memory.since[0] = [7, 8], beyond, 0
+        memory.seat(0, 0, order=order)
+    assert [(e.held, e.beyond) for e in memory.pool] == [([7, 8], 0), ([7, 8], 5)] and copies == [0, 0]
+
+
+def test_two_pool_entries_holding_the_same_ids_are_told_apart(hf_checkpoints):
+    """Two rows of a sliding cache that held the same conversation with different marks both go to
+    the pool; restoring the newer one takes that one out (a server's replicas saw it: identical
+    requests in a burst), as itself."""
+    from staticrt.serve.rows import RowMemory
+
+    model = staticrt.load_model(hf_checkpoints["mistral-sw16"][0])
+    backend = staticrt.Generator(model, max_batch_size=2, cache="sliding", max_cache_len=64).backend
     memory = RowMemory(backend, reuse=True, pool_bytes=2**20)
     memory.held = [[1, 2, 3, 4], [1, 2, 3, 4]]
+    memory.beyond[1] = 6  # a tail written past its ids
     memory.seat(0, 0, order=0)
     memory.seat(1, 0, order=1)  # both overwritten: two entries, the same ids
     older, newer = memory.pool

@@ -79,6 +79,8 @@ def test_bench_serve_soak_writes_its_timeline_and_verdict(tmp_path):
     soak = report["results"]["staticrt"]
     assert report["settings"]["sample_s"] == 5.0 and len(soak["samples"]) >= 3
     assert all(s["rss_mb"] > 50 and s["fds"] > 3 and s["threads"] >= 1 for s in soak["samples"])
+    # the host pool (serve's default --cache-ram) takes the rows requests left: its bytes are in the timeline
+    assert soak["samples"][-1]["pool_mb"] > 0 and soak["summary"]["rss_less_pool_end_over_warm"] > 0
     assert soak["summary"]["server_errors"] == 0 and soak["summary"]["rows_busy_at_end"] == 0
     # the long prompts are as long as the server admits, not longer: its model has a tokenizer, so
     # only the garbage and the bursts past the queue are refused
