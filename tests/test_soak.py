@@ -87,3 +87,20 @@ def test_bench_serve_soak_writes_its_timeline_and_verdict(tmp_path):
     refused = [k for k in soak["statuses"] if k.split()[0] in ("whole", "stream", "cancel", "leave")]
     assert [k for k in refused if k.split()[1] not in ("200", "429")] == [], soak["statuses"]
     assert plot.stat().st_size > 10_000
+
+
+def test_a_refused_client_backs_off_as_the_openai_client_does(monkeypatch):
+    """A client answered 429 waits 0.5 s, then 1, 2, 4, 8 (jittered down by at most a quarter)
+    before it sends again, and stops at its deadline; the statuses count every answer."""
+    import time
+
+    import staticrt.bench.soak as soak
+
+    sent: list[float] = []
+    monkeypatch.setattr(soak, "KINDS", ("whole",))
+    monkeypatch.setattr(SoakLoad, "whole", lambda self, rng: sent.append(time.monotonic()) or 429)
+    load = SoakLoad("http://127.0.0.1:9", MODEL, 256, ROWS, QUEUE, CONTEXT)
+    load.client(0, time.monotonic() + 4.0)
+    gaps = [later - earlier for earlier, later in zip(sent, sent[1:])]
+    assert len(sent) == 4 and all(0.75 * 2**i / 2 <= gap <= 2**i / 2 + 0.2 for i, gap in enumerate(gaps)), gaps
+    assert load.statuses == {("whole", 429): 4}
