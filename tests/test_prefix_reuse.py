@@ -294,10 +294,10 @@ def test_more_conversations_than_rows_each_keep_their_prefix_in_the_host_pool(hf
 
 
 def test_a_row_the_pool_already_holds_is_not_copied_again(hf_checkpoints, monkeypatch):
-    """Clients repeating one prompt: each request overwrote a row holding what an entry already
-    held, and the pool took a copy each time (a server's RSS grew 5.6 KB a request, bench-serve's
-    soak). The same ids are kept once, that entry made the newest; other ids are not. Where layers
-    rotate, an entry is the same only with the same marks (what lies past its ids differs)."""
+    """A client repeating a greedy request: each one overwrote a row holding what an entry already
+    held, and the pool took another copy each time. The same ids are kept once, that entry made the
+    newest; other ids are not. Where layers rotate, an entry is the same only with the same marks
+    (what lies past its ids differs)."""
     from staticrt.serve.rows import RowMemory
 
     def memory_of(name: str, cache: str) -> tuple[RowMemory, list[int]]:

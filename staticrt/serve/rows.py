@@ -125,8 +125,8 @@ class RowMemory:
     def _save(self, row: int, kept: int) -> None:
         """Copy `row` to the pool where it holds more than the `kept` ids its next request keeps;
         drop the oldest entries past the pool's size. A row whose ids an entry already holds (and
-        its marks, where layers rotate) only makes that entry the newest: clients repeating one
-        prompt filled the pool with copies of a row (a server's RSS grew 5.6 KB a request)."""
+        its marks, where layers rotate) only makes that entry the newest: a client repeating a
+        greedy request added the same entry again each time."""
         held = self.held[row]
         if len(held) <= kept:
             return
