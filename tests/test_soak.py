@@ -20,7 +20,8 @@ pytest.importorskip("fastapi", reason="serving needs the serve extra: use the RE
 
 from serving import running  # noqa: E402
 
-from staticrt.bench.soak import SoakLoad, metric, plot_soak, run_soak  # noqa: E402
+from staticrt.bench.soak import metric, plot_soak, run_soak  # noqa: E402
+from staticrt.bench.soak_load import SoakLoad  # noqa: E402
 from staticrt.serve import serve_backend  # noqa: E402
 
 MODEL, ROWS, QUEUE, CONTEXT = "tiny-llama", 4, 4, 128
@@ -94,10 +95,10 @@ def test_a_refused_client_backs_off_as_the_openai_client_does(monkeypatch):
     before it sends again, and stops at its deadline; the statuses count every answer."""
     import time
 
-    import staticrt.bench.soak as soak
+    import staticrt.bench.soak_load as soak_load
 
     sent: list[float] = []
-    monkeypatch.setattr(soak, "KINDS", ("whole",))
+    monkeypatch.setattr(soak_load, "KINDS", ("whole",))
     monkeypatch.setattr(SoakLoad, "whole", lambda self, rng: sent.append(time.monotonic()) or 429)
     load = SoakLoad("http://127.0.0.1:9", MODEL, 256, ROWS, QUEUE, CONTEXT)
     load.client(0, time.monotonic() + 4.0)
