@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -334,6 +335,30 @@ def test_sigterm_removes_the_partial_folder_and_sigkill_leftovers_go_with_the_ne
     live.mkdir()
     export_artifact(model, CacheSpec("static", 1, 32), [16], out, ["pt2"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "tiny"])
+
+
+@pytest.mark.parametrize("when", ["inside mkdtemp", "before mkdtemp"])
+def test_sigterm_while_the_partial_folder_is_made_still_removes_it(tmp_path, monkeypatch, when):
+    """The CI race: SIGTERM sent as soon as the folder appeared, before the handler or `work` held it."""
+    from staticrt.artifacts import write
+
+    make = tempfile.mkdtemp
+
+    def mkdtemp_then_signal(**kwargs):
+        if when == "before mkdtemp":
+            os.kill(os.getpid(), signal.SIGTERM)
+        folder = make(**kwargs)
+        if when == "inside mkdtemp":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return folder
+
+    monkeypatch.setattr(write.tempfile, "mkdtemp", mkdtemp_then_signal)
+    built = []
+    with pytest.raises(SystemExit) as exit_:
+        write.write_folder(tmp_path / "out", built.append)
+    assert exit_.value.code == 128 + signal.SIGTERM
+    assert (built, list(tmp_path.iterdir())) == ([], [])
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 # 10. named errors, never a traceback

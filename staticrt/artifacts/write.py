@@ -94,20 +94,21 @@ def write_folder(target: Path, build: Callable[[Path], None], error: type[Static
     (`check_place`); a place the file system still refuses is an `error` naming it.
     """
     target = Path(target)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(target)
-        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
-    except OSError as err:
-        raise error(f"cannot write {target} ({err.strerror}); choose a folder on a writable disk") from None
-    try:
-        with _terminate_raises():
+    with _terminate_raises() as armed:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(target)
+            work = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=target.parent))
+        except OSError as err:
+            raise error(f"cannot write {target} ({err.strerror}); choose a folder on a writable disk") from None
+        try:
+            armed()
             build(work)
             _apply_umask(work)
             _swap_into_place(work, target)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     return target
 
 
@@ -155,21 +156,38 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def _terminate_raises() -> Iterator[None]:
-    """SIGTERM (and SIGHUP) raise SystemExit inside the block, so the cleanup above runs."""
+def _terminate_raises() -> Iterator[Callable[[], None]]:
+    """SIGTERM (and SIGHUP) raise SystemExit inside the block, so the cleanup above runs.
+
+    The handler goes in before the partial folder exists, and a signal is held until the caller
+    calls the yielded `armed()` (once `work` names the folder): one arriving inside mkdtemp, after
+    its mkdir, would otherwise kill the process or raise before anything could remove the folder.
+    Python runs handlers in the main thread between bytecodes, so the flag needs no lock.
+    """
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
+    state: dict[str, Any] = {"armed": False, "pending": None}
 
     def raise_exit(signum: int, frame: Any) -> None:
+        if not state["armed"]:
+            state["pending"] = signum
+            return
         raise SystemExit(128 + signum)
+
+    def armed() -> None:
+        state["armed"] = True
+        if state["pending"] is not None:
+            raise SystemExit(128 + state["pending"])
 
     previous = {sig: signal.signal(sig, raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        yield
+        yield armed
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if state["pending"] is not None and not state["armed"]:
+            signal.raise_signal(state["pending"])  # held through a failure before `work`: sent on
 
 
 def _apply_umask(folder: Path) -> None:
