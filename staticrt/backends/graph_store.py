@@ -43,7 +43,8 @@ from ..artifacts.write import write_folder
 from ..caches import KVCache
 from ..errors import StaticrtError
 from ..models.decoder import Decoder
-from ..models.packed_linear import address, pack, packed_bytes, weight_stamps
+from ..models.packed_gemv import packed_bytes
+from ..models.packed_linear import address, pack, weight_stamps
 from .eager import choice_candidates, run_step, verifies
 
 log = logging.getLogger("staticrt")

@@ -41,7 +41,9 @@ import torch
 
 from ..artifacts.user_cache import cache_root
 from ..errors import ConfigError
-from .a8_source import SOURCE
+from . import a8_source, packed_gemv_source
+
+SOURCE = a8_source.SOURCE + packed_gemv_source.SOURCE  # one library: packed_gemv.py's float kernel too
 
 log = logging.getLogger("staticrt")
 BLOCK = 32  # activation values a scale
@@ -92,7 +94,7 @@ def load(quantize: str = "int8-a8") -> None:
     folder.mkdir(parents=True, exist_ok=True)
     name = f"staticrt_a8_{digest}"
     if not (folder / f"{name}.so").exists():
-        log.info("compiling staticrt's int8-activation kernels once into %s (about 20 s)", folder)
+        log.info("compiling staticrt's CPU kernels (int8-activation, float32 decode) once into %s (about 20 s)", folder)
     from torch.utils.cpp_extension import load_inline
 
     try:
@@ -114,6 +116,7 @@ def load(quantize: str = "int8-a8") -> None:
         torch.library.register_fake(f"staticrt::{op}")(_shape)
     for op in ("int8_experts", "int4_experts"):  # [R, K] x [E, N, ...] -> [R, N]
         torch.library.register_fake(f"staticrt::{op}")(_experts_shape)
+    torch.library.register_fake("staticrt::f32_packed_linear")(_packed_shape)
     _loaded = True
 
 
@@ -123,3 +126,7 @@ def _shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.
 
 def _experts_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], codes.shape[1])
+
+
+def _packed_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0] * w.shape[2])  # [M, K] x [B, Kp, NB] -> [M, B * NB]

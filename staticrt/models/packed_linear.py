@@ -19,7 +19,9 @@ import ctypes
 import torch
 from torch import nn
 
+from . import packed_gemv
 from .decoder import Decoder
+from .packed_gemv import packed_bytes
 
 # oneDNN lays a weight out for the rows it expects; every count from 2 up gives one layout, which
 # multiplies one row as fast as the 1-row layout does (60 matrices of 1536x576, 2 threads, AMD
@@ -65,12 +67,6 @@ def weight_stamps(model: nn.Module) -> list[tuple[int, int]]:
     return [(address(p), p._version) for p in model.parameters()]
 
 
-def packed_bytes(tensor: torch.Tensor) -> memoryview:
-    """A packed tensor's bytes as they lie in memory (no copy), to hash."""
-    size = torch.ops.mkldnn._nbytes(tensor)
-    return memoryview((ctypes.c_char * size).from_address(torch.ops.mkldnn.data_ptr(tensor))).cast("B")
-
-
 class PackedLinear(nn.Module):
     """A linear layer over oneDNN's packed copy of a weight (`weight` is an opaque mkldnn tensor of
     the logical shape [out, in]); a fused projection's `parts` split its output as FusedLinear's."""
@@ -81,9 +77,20 @@ class PackedLinear(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = bias
         self.parts = parts
+        self.out_features = weight.shape[0]
+        # The same memory as the kernel of packed_gemv.py reads it ([B, Kp, NB]), for steps of up to
+        # GEMV_ROWS rows; a parameter, so a stored graph is handed it as it is handed `weight`.
+        blocks = packed_gemv.blocked(packed, *weight.shape)
+        self.blocks = None if blocks is None else nn.Parameter(blocks, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")  # [..., in] -> [..., out]
+        rows = x.numel() // x.shape[-1]  # static in a traced graph: the step's width
+        if self.blocks is not None and rows <= packed_gemv.GEMV_ROWS:
+            y = torch.ops.staticrt.f32_packed_linear(x.reshape(rows, x.shape[-1]), self.blocks)  # [M, B * NB]
+            y = y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")  # [..., in] -> [..., out]
         return y if self.parts is None else y.split(list(self.parts.values()), dim=-1)
 
 
