@@ -33,7 +33,7 @@ GEMV_ROWS = 4  # rows of x a step may have to run on the kernel; more go to oneD
 
 
 def packed_bytes(tensor: torch.Tensor) -> memoryview:
-    """A packed tensor's bytes as they lie in memory (no copy), to hash."""
+    """A packed tensor's bytes as they lie in memory (no copy): to hash, and to view as `blocked` does."""
     size = torch.ops.mkldnn._nbytes(tensor)
     return memoryview((ctypes.c_char * size).from_address(torch.ops.mkldnn.data_ptr(tensor))).cast("B")
 
