@@ -16,7 +16,7 @@ from ..models.a8_linear import A8Linear
 from ..models.decoder import Decoder
 from ..models.expert_quant import QuantizedStack
 from ..models.moe import Experts
-from ..models.packed_linear import PackedLinear, PackedLookup
+from ..models.packed_linear import address
 
 
 def stored_bytes(tensor: torch.Tensor) -> int:
@@ -34,15 +34,11 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
     (models/moe.py: min(E, rows x k) of them, the most a batch's rows can touch)."""
     coded = (A8Linear, QuantizedStack)  # codes and scales held as buffers
     codes = [b for m in model.modules() if isinstance(m, coded) for b in m.buffers(recurse=False)]
-    # A packed lookup's table is the packed head's bytes, counted with the head.
-    # A packed linear's `blocks` are its packed weight's bytes, seen as packed_gemv.py's kernel reads them.
-    held = [
-        p
-        for m in model.modules()
-        if not isinstance(m, PackedLookup)
-        for name, p in m.named_parameters(recurse=False)
-        if not (isinstance(m, PackedLinear) and name == "blocks")
-    ]
+    # A dense view of a packed copy (a packed lookup's table, a packed linear's `blocks`) is the
+    # packed tensor's own bytes, counted with it.
+    params = [p for m in model.modules() for p in m.parameters(recurse=False)]
+    packed = {address(p) for p in params if p.is_mkldnn}
+    held = [p for p in params if p.is_mkldnn or address(p) not in packed]
     total = sum(stored_bytes(p) for p in [*held, *codes])
     embed = model.embed_tokens.weight
     if model.lm_head is not None and embed is not getattr(model.lm_head, "weight", None):  # not a packed head's

@@ -67,13 +67,18 @@ def weight_stamps(model: nn.Module) -> list[tuple[int, int]]:
     return [(address(p), p._version) for p in model.parameters()]
 
 
+def packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of `weight` [out, in]: an opaque mkldnn tensor of the same logical shape."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+
+
 class PackedLinear(nn.Module):
     """A linear layer over oneDNN's packed copy of a weight (`weight` is an opaque mkldnn tensor of
     the logical shape [out, in]); a fused projection's `parts` split its output as FusedLinear's."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: dict[str, int] | None) -> None:
         super().__init__()
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_ROWS)
+        packed = packed_copy(weight)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = bias
         self.parts = parts
@@ -200,7 +205,7 @@ def _positions(rows: int, columns: int, along: int, dtype: torch.dtype) -> torch
     codes = torch.zeros(rows, columns, dtype=_BITS[dtype])
     count = codes.shape[along]
     codes.select(1 - along, 0).copy_(torch.arange(1, count + 1))
-    probe = PackedLinear(codes.view(dtype), None, None).weight
+    probe = packed_copy(codes.view(dtype))  # the layout alone: no kernel view to find
     flat = torch.frombuffer(packed_bytes(probe), dtype=codes.dtype)
     found = flat.nonzero().flatten()
     where = torch.full((count,), -1, dtype=torch.int64)
