@@ -50,11 +50,25 @@ def _deterministic_threads():
     torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session")
+def _kernels_folder(tmp_path_factory, worker_id) -> Path:
+    """One folder of staticrt's compiled CPU kernels for the run, both workers and their
+    subprocesses: a library is named by the digest of its source, flags and torch, so sharing it
+    changes no test's graphs, and each build is ~25 s of g++ (six of them a run before: 2-3 min of
+    worker time). torch's builder holds a lock in the folder while one process builds."""
+    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    (root / "kernels").mkdir(exist_ok=True)
+    return root / "kernels"
+
+
 @pytest.fixture(autouse=True)
-def _own_user_cache(tmp_path_factory, monkeypatch):
+def _own_user_cache(tmp_path_factory, monkeypatch, _kernels_folder):
     """Each test its own $STATICRT_CACHE (subprocesses inherit it): no graph one test stored is
-    loaded by another, whose log then says what it compiles, and nothing lands in the user's cache."""
-    monkeypatch.setenv("STATICRT_CACHE", str(tmp_path_factory.mktemp("user-cache")))
+    loaded by another, whose log then says what it compiles, and nothing lands in the user's cache;
+    only its kernels folder is the run's."""
+    cache = tmp_path_factory.mktemp("user-cache")
+    (cache / "kernels").symlink_to(_kernels_folder, target_is_directory=True)
+    monkeypatch.setenv("STATICRT_CACHE", str(cache))
 
 
 CHECKPOINTS = FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES + MOE_FAMILIES + RECURRENT_FAMILIES
@@ -97,6 +111,13 @@ def transformers_tokens(hf_checkpoints):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def english_text() -> str:
+    """The Python reference's "Execution model" (PSF licence), the perplexity tests' text: read
+    beside this file, wherever pytest runs from."""
+    return (Path(__file__).parent / "data" / "python-execution-model.txt").read_text()
 
 
 @pytest.fixture(scope="session")

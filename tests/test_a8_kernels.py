@@ -159,12 +159,11 @@ def test_a8_exports_to_aoti_and_pt2_and_a_new_process_runs_it_on_the_kernels(hf_
 
 
 @kernel
-def test_a8_keeps_the_real_models_perplexity(smollm2):
+def test_a8_keeps_the_real_models_perplexity(smollm2, english_text):
     """SmolLM2-135M over the first 512 tokens of the text test_quantize.py reads: int8-a8 within 1%
     of fp32 (by hand: +0.2% simulated on these 512 tokens), int4-a8 within 5% (docs/measurements.md)."""
-    text = open("tests/data/python-execution-model.txt").read()
     fp32 = staticrt.load_model(smollm2)
-    ids = fp32.tokenizer.encode(text)[:512]
+    ids = fp32.tokenizer.encode(english_text)[:512]
     base = perplexity(fp32, ids)
     for quantize, limit in (("int8-a8", 1.01), ("int4-a8", 1.05)):
         model = staticrt.load_model(smollm2, quantize=quantize)

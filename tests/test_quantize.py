@@ -25,7 +25,6 @@ torchao = pytest.importorskip("torchao", reason="quantization needs torchao: ins
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "llama-linear-tied")
 PROMPTS = [[5, 17, 99, 3, 250], [200, 1, 64, 64, 9, 31, 7, 120, 88, 14, 2, 77]]
-TEXT = "tests/data/python-execution-model.txt"  # the Python reference's "Execution model" (PSF licence)
 
 
 def hf_quantized(folder, quantize: str):
@@ -181,17 +180,16 @@ def test_bench_runs_quantized_variants_beside_the_float_weights():
     assert report["tokens_agree"]
 
 
-def test_quantized_real_model_keeps_its_perplexity_and_its_answer(smollm2):
+def test_quantized_real_model_keeps_its_perplexity_and_its_answer(smollm2, english_text):
     """SmolLM2-135M over the first 512 tokens of an English text: int8 within 1% of fp32's
     perplexity, int4 within 5%; and the greedy answer to a chat question still names the capital.
     (512, not the text's 2,212: on an AVX2-only host, with no bfloat16 instructions, the eager int8
     and int4 passes over the whole text took 311 s; measured there: 512 tokens fp32 18.44, int8
     +0.3%, int4 +0.5%; 1,024 tokens 12.99, +0.5%, +0.3%.)"""
-    text = open(TEXT).read()
     results = {}
     for quantize in (None, "int8-wo", "int4-g32"):
         model = staticrt.load_model(smollm2, quantize=quantize)
-        ids = model.tokenizer.encode(text)[:512]
+        ids = model.tokenizer.encode(english_text)[:512]
         results[quantize] = perplexity(model, ids)
         if quantize:
             prompt = model.tokenizer.apply_chat_template(

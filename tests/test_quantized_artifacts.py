@@ -97,13 +97,13 @@ def test_the_onnx_graph_holds_each_weight_in_matmulnbits_and_genai_runs_it(hf_ch
     assert genai_greedy(og, og.Model(str(out)), PROMPT, 24) == tokens
 
 
-def test_the_onnx_int8_graph_keeps_the_real_models_perplexity(smollm2, tmp_path):
+def test_the_onnx_int8_graph_keeps_the_real_models_perplexity(smollm2, english_text, tmp_path):
     """SmolLM2-135M over the whole of tests/data's text (2,211 predictions, one graph step that
     returns every column's logits): the int8 graph (symmetric blocks of 64, int8 activations in
     blocks of 64) within 1% of the float model's perplexity (measured +0.90%; over the first 512
     tokens alone every int8 layout reads higher, +1.3% at this one, so the whole text it is)."""
     model = staticrt.load_model(smollm2)
-    ids = model.tokenizer.encode(open("tests/data/python-execution-model.txt").read())
+    ids = model.tokenizer.encode(english_text)
     reference = perplexity(model, ids)
     out = tmp_path / "int8"
     argv = ["export", "--model", str(smollm2), "--format", "onnx", "--quantize", "int8"]
