@@ -8,8 +8,10 @@ SmolLM2 the perplexity within 1% (int8) and 5% (int4) of fp32."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +118,64 @@ def test_a_cpu_without_the_kernel_is_refused_by_name(monkeypatch, quantize):
         f"quantize '{quantize}' runs staticrt's int8-activation kernels, and this CPU has neither AVX512-VNNI nor "
         f"AVX2 (or no /proc/cpuinfo says so); use --quantize {quantize[:4]}"
     )
+
+
+@kernel
+def test_a_failed_build_names_the_folder_and_the_compiler_and_each_asker_its_own_way_out(monkeypatch, caplog):
+    """Where the library does not build, int8-a8 is refused with the weight-only spec as the way
+    out, and float32 decode says it keeps oneDNN's linear (no --quantize advice: it asked for none)."""
+    import logging
+
+    from torch.utils import cpp_extension
+
+    from staticrt.models import packed_gemv
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'staticrt_a8'\ng++: not found")
+
+    monkeypatch.setattr(a8_kernels, "_loaded", False)
+    monkeypatch.setattr(cpp_extension, "load_inline", no_compiler)
+    flags = " ".join(a8_kernels.FLAGS[a8_kernels.isa()])
+    built = (
+        r"staticrt's CPU kernels, which could not be built in \S+/kernels/a8-[0-9a-f]{16}: Error building "
+        rf"extension 'staticrt_a8'; install a C\+\+ compiler that takes {flags} \(g\+\+ 10 or newer does\)"
+    )
+    with pytest.raises(ConfigError, match=rf"^quantize 'int8-a8' needs {built}, or use --quantize int8$"):
+        a8_kernels.load("int8-a8")
+    packed_gemv.usable.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="staticrt"):
+            assert packed_gemv.usable() is False
+        said = [r.getMessage() for r in caplog.records if r.name == "staticrt"]
+        assert len(said) == 1
+        assert re.fullmatch(rf"float32 decode keeps oneDNN's linear for every step: it needs {built}", said[0])
+    finally:
+        packed_gemv.usable.cache_clear()  # the next test's build is the real one
+
+
+@kernel
+def test_caches_linked_to_one_kernels_folder_build_in_one_place(monkeypatch, tmp_path):
+    """torch's builder rebuilds a library whose recorded command names another folder: two caches
+    whose kernels folders are links to one (as the tests' are) hand it the same, resolved, path."""
+    from torch.utils import cpp_extension
+
+    shared = tmp_path / "kernels"
+    shared.mkdir()
+    asked = []
+
+    def builder(*args, build_directory, **kwargs):  # what the build is handed, then no library
+        asked.append(build_directory)
+        raise RuntimeError("not built here")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", builder)
+    monkeypatch.setattr(a8_kernels, "_loaded", False)
+    for cache in ("one", "two"):
+        (tmp_path / cache).mkdir()
+        (tmp_path / cache / "kernels").symlink_to(shared, target_is_directory=True)
+        monkeypatch.setenv("STATICRT_CACHE", str(tmp_path / cache))
+        with pytest.raises(ConfigError, match="could not be built"):
+            a8_kernels.build()
+    assert len(asked) == 2 and asked[0] == asked[1] and Path(asked[0]).parent == shared.resolve()
 
 
 @pytest.mark.parametrize("quantize", SPECS)

@@ -75,10 +75,9 @@ def unavailable() -> str | None:
 
 
 def load(quantize: str = "int8-a8") -> None:
-    """Make `torch.ops.staticrt.int8_linear` and `int4_linear` callable: the library from the user
-    cache, compiled there first if absent; a machine that cannot run or build it is refused with
-    the way out, `quantize` (int8-a8, int4-a8) naming what asked for it."""
-    global _loaded
+    """Make `torch.ops.staticrt.int8_linear` and `int4_linear` callable (`build`); a machine that
+    cannot run or build them is refused with the way out, `quantize` (int8-a8, int4-a8) naming
+    what asked for them."""
     if _loaded:
         return
     weights_only = quantize.removesuffix("-a8")  # torchao's weight-only quantization, the way out
@@ -88,9 +87,24 @@ def load(quantize: str = "int8-a8") -> None:
             f"quantize {quantize!r} runs staticrt's int8-activation kernels, and {reason}; "
             f"use --quantize {weights_only}"
         )
+    try:
+        build()
+    except ConfigError as err:
+        raise ConfigError(f"quantize {quantize!r} needs {err}, or use --quantize {weights_only}") from None
+
+
+def build() -> None:
+    """Load the library of every staticrt CPU kernel (the a8 ones and packed_gemv.py's float32
+    one) from the user cache, compiled there first if absent; ConfigError naming the folder and
+    the compiler it needs where that fails. The caller has checked `unavailable()`."""
+    global _loaded
+    if _loaded:
+        return
     flags = FLAGS[isa()]
     digest = hashlib.sha256((SOURCE + " ".join(flags) + torch.__version__).encode()).hexdigest()[:16]
-    folder = cache_root() / "kernels" / f"a8-{digest}"
+    # Resolved: torch's builder (ninja) rebuilds a library whose recorded command names another
+    # path, so a cache reached through a link builds once, not once a path to it.
+    folder = (cache_root() / "kernels").resolve() / f"a8-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     name = f"staticrt_a8_{digest}"
     if not (folder / f"{name}.so").exists():
@@ -108,9 +122,8 @@ def load(quantize: str = "int8-a8") -> None:
         )
     except (RuntimeError, OSError) as err:  # no compiler, or one without these flags
         raise ConfigError(
-            f"quantize {quantize!r} could not build staticrt's int8-activation kernels in {folder}: "
-            f"{str(err).splitlines()[0]}; install a C++ compiler that takes {' '.join(flags)} (g++ 10 or newer "
-            f"does), or use --quantize {weights_only}"
+            f"staticrt's CPU kernels, which could not be built in {folder}: {str(err).splitlines()[0]}; "
+            f"install a C++ compiler that takes {' '.join(flags)} (g++ 10 or newer does)"
         ) from None
     for op in ("int8_linear", "int4_linear"):  # for torch.compile: [M, K] x [N, ...] -> [M, N]
         torch.library.register_fake(f"staticrt::{op}")(_shape)
