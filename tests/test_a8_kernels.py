@@ -24,7 +24,7 @@ from staticrt.cli.main import main
 from staticrt.errors import ArtifactError, ConfigError
 from staticrt.exporters import export_artifact
 from staticrt.models import a8_kernels
-from staticrt.models.a8_linear import int4_blocks, int4_weight
+from staticrt.models.a8_linear import int4_blocks, int4_weight, int8_codes, int8_groups
 from staticrt.models.quant_spec import parse_quantize
 
 FAMILIES = ("llama", "qwen2", "gemma2", "llama-linear-tied")  # qwen2: q/k/v biases; the last: a tied head
@@ -245,3 +245,26 @@ def test_int4_blocks_pack_what_int4_weight_reads_back_to_within_half_a_step():
     low, high = int(codes[1, 3]) & 15, int(codes[1, 3]) >> 4
     d, m = dm[1, :4].float().reshape(2, 2)  # (d_0, d_1), (m_0, m_1)
     assert torch.equal(back[1, [3, 35]], torch.stack([d[0] * low + m[0], d[1] * high + m[1]]))
+
+
+@kernel
+def test_int8_linear_is_the_integer_dot_product_of_each_block_on_a_ragged_last_group():
+    """`int8_linear` over int8_groups' layout: 37 channels (a last group of 5 with 11 zero channels
+    past N) and three rows, against each block's exact integer dot product scaled in float64;
+    the codes' extremes (-127, 127) and a zero activation block included."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 128, generator=generator)
+    weight[4, :64] = torch.tensor([-1.0, 1.0]).repeat(32)  # codes -127 and 127 side by side
+    x = torch.randn(3, 128, generator=generator)
+    x[1, 32:64] = 0
+    codes, scales = int8_codes(weight)
+    assert int8_groups(codes).shape == (3, 32, 16, 4) and not int8_groups(codes)[2, :, 5:].any()
+    a8_kernels.load()
+    y = torch.ops.staticrt.int8_linear(x, int8_groups(codes), scales)
+    blocks = x.double().reshape(3, 4, 32)
+    s = blocks.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    xq = torch.round(blocks / s).long()  # [3, 4, 32]
+    dots = torch.einsum("mbi,nbi->mnb", xq, codes.long().reshape(37, 4, 32))  # exact, [3, 37, 4]
+    want = (dots.double() * s[:, None, :, 0]).sum(-1) * scales.double()
+    assert y.shape == (3, 37) and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6)

@@ -185,7 +185,7 @@ def test_experts_decode_on_the_kernels_as_each_experts_own_linear(hf_checkpoints
 
     def linear(x: torch.Tensor, stack: QuantizedStack, e: int) -> torch.Tensor:  # one expert's own matrix product
         if stack.bits == 8:
-            return torch.ops.staticrt.int8_linear(x, stack.codes[e], stack.scales[e])
+            return torch.ops.staticrt.int8_linear(x, stack.codes[e], stack.scales[e])  # int8_linear's own layout
         return torch.ops.staticrt.int4_linear(x, stack.codes[e], stack.dm[e])
 
     for seed in range(4):  # one token a step: k of E experts, the gathered form

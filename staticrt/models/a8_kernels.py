@@ -12,20 +12,24 @@ Blocks of 32 keep its perplexity within 0.2-0.6% of float; blocks of 64 cost 0.8
 one scale a token 1.5%.
 
 A worked example, for row m and channel n: x[m, 32b : 32b+32] has absmax a, so xq = round(x * 127
-/ a) in -127..127 and s_b = a / 127. int8: the byte products take |xq| (unsigned) against w with
-xq's sign, the same product. AVX512-VNNI's `vpdpbusd` takes 64 bytes, two blocks: its int32 lanes
-0-7 sum block 2c's products (4 bytes a lane), lanes 8-15 block 2c+1's, so they are scaled by a
-vector of (s_2c, s_2c+1); AVX2's `vpmaddubsw` sums byte pairs into int16 (|xq| * |w| <= 127 * 127,
-so a pair fits), `vpmaddwd` pairs of those into int32, one block a step. The row's float sum ends
-times the channel's scale. int4: w = d_b * q + m_b with q in 0..15 (unsigned, so `vpdpbusd` takes q
-against xq directly), so the row's sum is sum_b s_b * (d_b * sum_i q_i xq_i + m_b * sum_i xq_i):
-the second term needs only each activation block's code sum (S_b = s_b * sum_i xq_i), once a row.
+/ a) in -127..127 and s_b = a / 127. int8 (`int8_linear`): the codes of 16 channels lie interleaved
+4 bytes at a time (a8_linear.int8_groups), so AVX512-VNNI's `vpdpbusd` takes 16 channels' codes
+4k .. 4k+3 against xq[4k .. 4k+3] broadcast to every lane, 8 of them a block into 16 int32 sums;
+it multiplies unsigned bytes by signed ones, so it takes w + 128 against xq, and the sums start
+at -128 * sum_i xq_i to end at sum_i w_i xq_i. AVX2's `vpmaddubsw` takes |xq| against w with xq's
+sign (|xq| * |w| <= 127 * 127, so a pair fits int16), `vpmaddwd` pairs of those into int32. Each
+block's sums are scaled by s_b into float; the row's float sum ends times the channel's scale.
+int4: w = d_b * q + m_b with q in 0..15 (unsigned, so `vpdpbusd` takes q against xq directly), so
+the row's sum is sum_b s_b * (d_b * sum_i q_i xq_i + m_b * sum_i xq_i): the second term needs only
+each activation block's code sum (S_b = s_b * sum_i xq_i), once a row.
 Codes are packed 64 weights to 32 bytes: byte j holds q_j (low nibble) and q_j+32 (high), so the
 low nibbles of 32 bytes are block 2c in order and the high ones block 2c+1; each channel's (d, m)
 pairs are float16, as (d_2c, d_2c+1, m_2c, m_2c+1) a 64-weight step.
 
 `int8_experts` and `int4_experts` are those for a mixture of experts' step: each activation row
-through the codes of its own expert (a token's k chosen ones), read in place (expert_quant.py).
+through the codes of its own expert (a token's k chosen ones), read in place (expert_quant.py);
+each expert's int8 codes in int8_linear's groups, so that a channel's number is the one its
+expert's own int8_linear gives.
 
 Compiled on first use (torch's cpp_extension, ~20 s) into the user cache, once a machine, torch,
 source and instruction set; a later process loads the library.
@@ -41,9 +45,10 @@ import torch
 
 from ..artifacts.user_cache import cache_root
 from ..errors import ConfigError
-from . import a8_source, packed_gemv_source
+from . import a8_int4_source, a8_int8_source, a8_source, packed_gemv_source
 
-SOURCE = a8_source.SOURCE + packed_gemv_source.SOURCE  # one library: packed_gemv.py's float kernel too
+# One library: the shared part first, then each kernel's, packed_gemv.py's float one too
+SOURCE = a8_source.SOURCE + a8_int8_source.SOURCE + a8_int4_source.SOURCE + packed_gemv_source.SOURCE
 
 log = logging.getLogger("staticrt")
 BLOCK = 32  # activation values a scale
@@ -134,11 +139,11 @@ def build() -> None:
 
 
 def _shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], codes.shape[0])
+    return x.new_empty(x.shape[0], scales.shape[0])  # scales [N] (int8) or dm [N, K / 16] (int4)
 
 
 def _experts_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], codes.shape[1])
+    return x.new_empty(x.shape[0], scales.shape[1])  # scales [E, N] (int8) or dm [E, N, K / 16] (int4)
 
 
 def _packed_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

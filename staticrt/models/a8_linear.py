@@ -10,6 +10,8 @@ from torch import nn
 
 from .a8_kernels import BLOCK, STEP
 
+GROUP = 16  # channels whose codes int8_linear's layout interleaves (int8_groups)
+
 
 class A8Linear(nn.Module):
     """What both share: the bias (float32) and the parts of a fused projection."""
@@ -26,17 +28,39 @@ class A8Linear(nn.Module):
 
 
 class Int8Linear(A8Linear):
-    """int8 codes `[N, K]` with float32 scales `[N]` (absmax / 127 of each output channel)."""
+    """int8 codes with float32 scales `[N]` (absmax / 127 of each output channel), the codes in the
+    kernel's groups of 16 channels (`int8_groups`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: dict[str, int] | None = None):
         super().__init__(bias, parts)
-        w = weight.detach().float()  # [N, K]
-        scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        self.register_buffer("codes", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous())
+        codes, scales = int8_codes(weight.detach().float())
+        self.register_buffer("codes", int8_groups(codes))
         self.register_buffer("scales", scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:  # x [..., K] -> [..., N]
         return self.finish(torch.ops.staticrt.int8_linear(x.reshape(-1, x.shape[-1]), self.codes, self.scales), x)
+
+
+def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w [N, K]` float32 -> (codes `[N, K]` int8 in -127..127, scales `[N]` float32): w ~ codes * scale."""
+    scales = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous(), scales
+
+
+def int8_groups(codes: torch.Tensor) -> torch.Tensor:
+    """`codes [..., N, K]` -> `[..., G, K / 4, 16, 4]`, G = N / 16 rounded up (the channels past N
+    zero): channel 16g + c's codes 4t .. 4t+3 at `[g, t, c]`, the 64 bytes `int8_linear` loads at
+    once. Worked example, K = 8: channel 17's codes 4..7 are at `[1, 1, 1]`, bytes 68..71 (t * 64 +
+    c * 4) of group 1."""
+    *lead, n, k = codes.shape
+    padded = torch.nn.functional.pad(codes, (0, 0, 0, -n % GROUP))
+    return padded.view(*lead, -1, GROUP, k // 4, 4).transpose(-3, -2).contiguous()
+
+
+def int8_ungrouped(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """`int8_groups`' `[..., G, K / 4, 16, 4]` back to its N channels' codes `[..., N, K]`."""
+    *lead, g, quarters, _, _ = groups.shape
+    return groups.transpose(-3, -2).reshape(*lead, g * GROUP, quarters * 4)[..., :n, :]
 
 
 class Int4Linear(A8Linear):

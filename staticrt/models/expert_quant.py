@@ -30,13 +30,14 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .a8_kernels import STEP
-from .a8_linear import Int4Linear, Int8Linear, int4_weight
+from .a8_linear import int4_blocks, int4_weight, int8_codes, int8_groups, int8_ungrouped
 from .quant_spec import QuantSpec
 
 
 class QuantizedStack(nn.Module):
-    """One stacked expert weight `[E, N, K]` as codes, in the a8 kernels' layouts (a8_linear.py):
-    int8 `codes [E, N, K]` and `scales [E, N]`, one an output row; int4 `codes [E, N, K / 2]` and
+    """One stacked expert weight `[E, N, K]` as codes (a8_linear.py's `int8_codes`, `int4_blocks`):
+    int8 `codes [E, N, K]` (on the kernel, each expert's in `int8_linear`'s groups: `[E, G, K / 4,
+    16, 4]`) and `scales [E, N]`, one an output row; int4 `codes [E, N, K / 2]` and
     float16 `dm [E, N, K / 16]`, a scale and minimum a block of 32. `kernel`: on staticrt's CPU
     kernels (`int8_experts`, `int4_experts`: quantize "int8-a8", "int4-a8"), which multiply the
     chosen experts' codes in place; otherwise what a step gathers is dequantized."""
@@ -45,16 +46,18 @@ class QuantizedStack(nn.Module):
         super().__init__()
         experts, outputs, inputs = weight.shape
         self.bits, self.kernel, self.shape = bits, kernel, (outputs, inputs)
-        layer = (Int8Linear if bits == 8 else Int4Linear)(weight.detach().reshape(experts * outputs, inputs))
-        for (
-            name,
-            buffer,
-        ) in layer.named_buffers():  # codes and scales (or dm) of E * N rows, an expert's N after another
-            self.register_buffer(name, buffer.view(experts, outputs, *buffer.shape[1:]))
+        flat = weight.detach().float().reshape(experts * outputs, inputs)  # E * N rows, an expert's N after another
+        for name, buffer in zip(
+            ("codes", "scales" if bits == 8 else "dm"), (int8_codes if bits == 8 else int4_blocks)(flat)
+        ):
+            buffer = buffer.view(experts, outputs, *buffer.shape[1:])
+            self.register_buffer(name, int8_groups(buffer) if kernel and name == "codes" and bits == 8 else buffer)
 
     def gather(self, index: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
         """The experts at `index` (any shape, or one expert) dequantized: `[*index, N, K]` in `dtype`."""
         codes = self.codes[index]
+        if self.bits == 8 and self.kernel:
+            codes = int8_ungrouped(codes, self.shape[0])
         lead = codes.shape[:-2]
         if self.bits == 8:
             return codes.to(dtype) * self.scales[index].to(dtype)[..., None]
