@@ -4,11 +4,16 @@ fuzz test of the whole HTTP API that ends with every row free and a normal answe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -410,20 +415,14 @@ def test_after_the_fuzz_every_row_is_free_and_a_normal_request_is_answered(fuzze
     assert greedy(url)
 
 
-def test_sigterm_with_requests_past_the_drain_timeout_ends_them_with_503_and_exits(tmp_path):
-    """The same through `staticrt serve` and a real SIGTERM, where uvicorn used to cancel what was
-    still open at --drain-timeout: a stream cut without an error event or [DONE]. bench-llama's
-    2,000 tokens take many seconds on any CPU, so the 1 s drain always runs out mid-stream."""
-    import signal
-    import subprocess
-    import sys
-
+@contextlib.contextmanager
+def served(command: list[str]) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`command` (a `staticrt serve` with `--port PORT` to fill) on a free loopback port, once
+    `/health` answers; yields the process and its URL, killed on leaving."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", "bench-llama", "--port", str(port)]
-    command += ["--max-cache-len", "2048", "--prefill-buckets", "16", "--drain-timeout", "1"]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen([*command, "--port", str(port)], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -433,6 +432,19 @@ def test_sigterm_with_requests_past_the_drain_timeout_ends_them_with_503_and_exi
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
+        yield server, url
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_sigterm_with_requests_past_the_drain_timeout_ends_them_with_503_and_exits(tmp_path):
+    """The same through `staticrt serve` and a real SIGTERM, where uvicorn used to cancel what was
+    still open at --drain-timeout: a stream cut without an error event or [DONE]. bench-llama's
+    2,000 tokens take many seconds on any CPU, so the 1 s drain always runs out mid-stream."""
+    command = [sys.executable, "-m", "staticrt.cli", "serve", "--model", "bench-llama"]
+    command += ["--max-cache-len", "2048", "--prefill-buckets", "16", "--drain-timeout", "1"]
+    with served(command) as (server, url):
         body = dict(model="bench-llama", prompt=[1, 2, 3], max_tokens=2000, temperature=0, stream=True)
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
             lines = reply.iter_lines()
@@ -443,9 +455,26 @@ def test_sigterm_with_requests_past_the_drain_timeout_ends_them_with_503_and_exi
         assert json.loads(events[-2][6:])["error"]["message"] == "the server stopped before this request finished"
         assert server.wait(30) == -signal.SIGTERM
         assert "Traceback" not in server.stderr.read()
-    finally:
-        server.kill()
-        server.wait()
+
+
+def test_an_idle_server_stops_on_a_sigterm_the_os_hands_to_another_thread():
+    """The OS hands a process's signal to any thread that does not block it (uvicorn's, OpenMP's);
+    Python runs the handler in the main thread, where `serve` steps, and an idle one slept on its
+    condition until a request came: the signal stopped nothing (bench-serve waited 60 s, then
+    killed it). Here a thread of the server's own sends SIGTERM to itself once told, so the
+    main thread is never the one the OS picks."""
+    to_itself = (
+        "import signal, sys, threading; from staticrt.cli.main import main; "
+        "threading.Thread(target=lambda: (sys.stdin.readline(), "
+        "signal.pthread_kill(threading.get_ident(), signal.SIGTERM)), daemon=True).start(); "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    with served([sys.executable, "-c", to_itself, "serve", "--model", "tiny-llama", "--threads", "1"]) as (server, url):
+        assert httpx.get(f"{url}/health").json()["busy_rows"] == 0
+        server.stdin.write("now\n")
+        server.stdin.flush()
+        assert server.wait(20) == -signal.SIGTERM
+        assert "stopping: no new requests" in server.stderr.read()
 
 
 def test_a_server_that_dies_starting_leaves_its_whole_log_named_in_the_error(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ soak).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -69,6 +70,10 @@ def server_process(
             process.wait(60)
         except subprocess.TimeoutExpired:
             process.kill()
+            failed = True  # a server that ignores SIGTERM is a defect: its log is kept to find it
+            logging.getLogger("staticrt").warning(
+                "%s did not stop within 60 s of SIGTERM and was killed; its whole log: %s", command[0], log.name
+            )
         log.close()
         if not failed:
             os.unlink(log.name)

@@ -6,6 +6,9 @@ mix counts."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Seconds: from a few ms (a decode step of a tiny model) to a minute (a queue behind long prompts)
@@ -48,6 +51,21 @@ class Metrics:
         self.inter_token = Histogram(
             "staticrt_inter_token_latency_seconds", "between a request's tokens", buckets=BUCKETS, registry=r
         )
+
+    def observe_token(self, job: Any) -> None:
+        """A token for `job` (serve/job.py's Job) now: the latency metrics (tokens of one verify
+        step come 0 s apart), and at its first the prompt tokens it prefilled or kept."""
+        now = time.perf_counter()
+        self.tokens.inc()
+        if job.tokens:
+            self.inter_token.observe(now - job.last_at)
+        else:
+            self.first_token.observe(now - job.created_at)
+            self.prefilled_tokens.inc(len(job.request.prompt) - job.kept)
+            if job.kept:
+                self.prefix_hits.inc()
+                self.reused_tokens.inc(job.kept)
+        job.last_at = now
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

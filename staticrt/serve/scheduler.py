@@ -48,6 +48,11 @@ from .metrics import Metrics
 from .planning import Drafting, plan_step
 from .rows import RowMemory, Saved
 
+# The stepping thread may be the main one (`run`), the only one where Python runs a signal's
+# handler, and the OS hands SIGTERM to any thread (uvicorn's, OpenMP's): an idle main thread
+# asleep on the condition never ran it, and the server ignored SIGTERM. It wakes this often.
+IDLE_WAKE_S = 0.5
+
 
 class QueueFull(StaticrtError):
     """Every row is busy and the queue holds its limit: try again shortly (HTTP 429)."""
@@ -157,7 +162,7 @@ class Scheduler:
             with self.cond:
                 self._admit()
                 while not self.stopped and self.busy_rows == 0:
-                    self.cond.wait()
+                    self.cond.wait(IDLE_WAKE_S)
                     self._admit()
                 if self.stopped:
                     self._fail_all(503, "the server stopped before this request finished")
@@ -253,23 +258,9 @@ class Scheduler:
             for token in chosen[job]:
                 if job.row is None or self.rows[job.row] is not job:
                     break  # finished at an earlier token of this step (a stop)
-                self._observe(job)
+                self.metrics.observe_token(job)
                 self._deliver(job, token)
         return [len(chosen[job]) for job in plan.finishing]
-
-    def _observe(self, job: Job) -> None:
-        """A token for `job` now: the latency metrics (tokens of one verify step come 0 s apart)."""
-        now = time.perf_counter()
-        self.metrics.tokens.inc()
-        if job.tokens:
-            self.metrics.inter_token.observe(now - job.last_at)
-        else:
-            self.metrics.first_token.observe(now - job.created_at)
-            self.metrics.prefilled_tokens.inc(len(job.request.prompt) - job.kept)
-            if job.kept:
-                self.metrics.prefix_hits.inc()
-                self.metrics.reused_tokens.inc(job.kept)
-        job.last_at = now
 
     def _deliver(self, job: Job, token: int) -> None:
         """Send the token and the text it completes; finish the job on a stop id, a stop string or its length."""
