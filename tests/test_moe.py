@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import unittest.mock
 
 import pytest
 import torch
@@ -101,6 +102,33 @@ def test_compiled_and_replayed_graphs_give_transformers_tokens(hf_checkpoints, e
         assert compiled.generate(PROMPTS[:1], NEW_TOKENS) == expected(family)[:1]
     replayed = staticrt.Generator(HostReplayBackend(model, cache=cache, prefill_buckets=[64], **OPTIONS))
     assert replayed.generate(PROMPTS, NEW_TOKENS) == expected(family)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_packed_experts_are_read_in_place_and_give_transformers_tokens(hf_checkpoints, expected, family):
+    """The packed twin of the CPU graphs (packed_linear.pack) holds each float32 stack in blocks of
+    16 channels: a batch-1 decode step runs `f32_experts` on the chosen experts in place, a
+    batch of 4 (as many rows times k as experts) multiplies each expert laid back out; both give
+    transformers' tokens, and the model keeps its own float stacks."""
+    from staticrt.models.packed_experts import PackedStack
+    from staticrt.models.packed_linear import pack
+
+    model = staticrt.load_model(hf_checkpoints[family][0])
+    twin = pack(model, twin=True)
+    experts = twin.layers[0].mlp.experts
+    assert isinstance(experts.down_proj, PackedStack) and isinstance(
+        model.layers[0].mlp.experts.down_proj, torch.nn.Parameter
+    )
+    calls = []
+    run = torch.ops.staticrt.f32_experts
+    with unittest.mock.patch.object(torch.ops.staticrt, "f32_experts", lambda *a: calls.append(1) or run(*a)):
+        cache = WINDOWED.get(family, "static")
+        assert staticrt.Generator(twin, cache=cache, **OPTIONS).generate(PROMPTS, NEW_TOKENS) == expected(family)
+        assert not calls  # 4 rows: every expert, densely
+        one = staticrt.Generator(twin, cache=cache, **{**OPTIONS, "max_batch_size": 1})
+        assert one.generate(PROMPTS[:1], NEW_TOKENS) == expected(family)[:1]
+    layers = sum(isinstance(m, PackedStack) for m in twin.modules()) // 2  # those with experts: two stacks each
+    assert len(calls) == 2 * layers * (NEW_TOKENS - 1)  # each decode step (the first token is the prefill's)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)

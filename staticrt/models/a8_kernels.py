@@ -135,6 +135,7 @@ def build() -> None:
     for op in ("int8_experts", "int4_experts"):  # [R, K] x [E, N, ...] -> [R, N]
         torch.library.register_fake(f"staticrt::{op}")(_experts_shape)
     torch.library.register_fake("staticrt::f32_packed_linear")(_packed_shape)
+    torch.library.register_fake("staticrt::f32_experts")(_f32_experts_shape)
     _loaded = True
 
 
@@ -144,6 +145,10 @@ def _shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.
 
 def _experts_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], scales.shape[1])  # scales [E, N] (int8) or dm [E, N, K / 16] (int4)
+
+
+def _f32_experts_shape(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1] * w.shape[3])  # [R, K] x [E, G, K, 16] -> [R, G * 16]
 
 
 def _packed_shape(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

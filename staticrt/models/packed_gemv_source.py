@@ -1,5 +1,6 @@
-"""The C++ of `f32_packed_linear` (packed_gemv.py says why and when it runs), built into the a8
-kernels' library (a8_kernels.py), as a fragment of its `staticrt` operator namespace."""
+"""The C++ of `f32_packed_linear` (packed_gemv.py says why and when it runs) and `f32_experts`
+(packed_experts.py), built into the a8 kernels' library (a8_kernels.py), as a fragment of its
+`staticrt` operator namespace."""
 
 SOURCE = r"""
 // The vector type and its intrinsics: AVX-512's 16 lanes, else AVX2's 8 (VEC(loadu_ps) is
@@ -73,6 +74,31 @@ torch::Tensor f32_packed_linear(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
-TORCH_LIBRARY_FRAGMENT(staticrt, m) { m.def("f32_packed_linear(Tensor x, Tensor w) -> Tensor"); }
-TORCH_LIBRARY_IMPL(staticrt, CPU, m) { m.impl("f32_packed_linear", &f32_packed_linear); }
+// x [R, K] float32, w [E, G, K, 16] float32 (each expert's [N, K] stack in blocks of 16 channels,
+// f32_packed_linear's layout with NB = 16: packed_experts.py), index [R] int64 -> [R, G * 16]
+// float32: row r through expert index[r] (a mixture of experts' decode step), read in place
+torch::Tensor f32_experts(torch::Tensor x, torch::Tensor w, torch::Tensor index) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "f32_experts: x must be [R, K] float32");
+  TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.scalar_type() == torch::kFloat && w.size(2) == x.size(1) &&
+                  w.size(3) == 16,
+              "f32_experts: w must be [E, G, K, 16] float32, contiguous");
+  x = x.contiguous();
+  const int64_t R = x.size(0), K = x.size(1), E = w.size(0), G = w.size(1);
+  auto y = torch::empty({R, G * 16}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  each_expert_block<16>(index, R, E, G * 16, "f32_experts", [&](int64_t r, int64_t n0, int rows, int64_t e) {
+    packed_block<16 / LANES, 1>(xp + r * K, K, wp + (e * G * 16 + n0) * K, yp + r * G * 16 + n0);
+  });
+  return y;
+}
+
+TORCH_LIBRARY_FRAGMENT(staticrt, m) {
+  m.def("f32_packed_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("f32_experts(Tensor x, Tensor w, Tensor index) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(staticrt, CPU, m) {
+  m.impl("f32_packed_linear", &f32_packed_linear);
+  m.impl("f32_experts", &f32_experts);
+}
 """

@@ -21,6 +21,8 @@ from torch import nn
 
 from . import packed_gemv
 from .decoder import Decoder
+from .moe import Experts
+from .packed_experts import packed_experts
 from .packed_gemv import packed_bytes
 
 # oneDNN lays a weight out for the rows it expects; every count from 2 up gives one layout, which
@@ -100,13 +102,16 @@ class PackedLinear(nn.Module):
 
 
 def _packed(module: nn.Module, twin: bool) -> nn.Module:
-    """`module` with each linear layer below it packed: a twin sharing every other tensor with it
-    (`twin`), or the module itself, each float matrix let go as its packed copy takes its place."""
+    """`module` with each linear layer below it packed (and each mixture of experts' stacks): a
+    twin sharing every other tensor with it (`twin`), or the module itself, each float matrix let
+    go as its packed copy takes its place."""
     target = copy.copy(module) if twin else module  # a copy: a new __dict__ over the same tensors
     target._modules = dict(module._modules)
     for name, child in module._modules.items():
         if isinstance(child, nn.Linear):
             target._modules[name] = PackedLinear(child.weight, child.bias, getattr(child, "parts", None))
+        elif isinstance(child, Experts):  # its stacks read in place by a decode step (packed_experts.py)
+            target._modules[name] = packed_experts(child, twin)
         elif child is not None:
             target._modules[name] = _packed(child, twin)
     return target
