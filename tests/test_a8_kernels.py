@@ -250,21 +250,24 @@ def test_int4_blocks_pack_what_int4_weight_reads_back_to_within_half_a_step():
 @kernel
 def test_int8_linear_is_the_integer_dot_product_of_each_block_on_a_ragged_last_group():
     """`int8_linear` over int8_groups' layout: 37 channels (a last group of 5 with 11 zero channels
-    past N) and three rows, against each block's exact integer dot product scaled in float64;
-    the codes' extremes (-127, 127) and a zero activation block included."""
+    past N) and five rows (a step of rows sharing each load, then the rest one at a time), against
+    each block's exact integer dot product scaled in float64; the codes' extremes (-127, 127) and
+    a zero activation block included."""
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(37, 128, generator=generator)
     weight[4, :64] = torch.tensor([-1.0, 1.0]).repeat(32)  # codes -127 and 127 side by side
-    x = torch.randn(3, 128, generator=generator)
+    x = torch.randn(5, 128, generator=generator)
     x[1, 32:64] = 0
     codes, scales = int8_codes(weight)
     assert int8_groups(codes).shape == (3, 32, 16, 4) and not int8_groups(codes)[2, :, 5:].any()
     a8_kernels.load()
     y = torch.ops.staticrt.int8_linear(x, int8_groups(codes), scales)
-    blocks = x.double().reshape(3, 4, 32)
+    blocks = x.double().reshape(5, 4, 32)
     s = blocks.abs().amax(-1, keepdim=True) / 127
     s = torch.where(s > 0, s, torch.ones_like(s))
-    xq = torch.round(blocks / s).long()  # [3, 4, 32]
-    dots = torch.einsum("mbi,nbi->mnb", xq, codes.long().reshape(37, 4, 32))  # exact, [3, 37, 4]
+    xq = torch.round(blocks / s).long()  # [5, 4, 32]
+    dots = torch.einsum("mbi,nbi->mnb", xq, codes.long().reshape(37, 4, 32))  # exact, [5, 37, 4]
     want = (dots.double() * s[:, None, :, 0]).sum(-1) * scales.double()
-    assert y.shape == (3, 37) and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6)
+    assert y.shape == (5, 37) and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6)
+    one_by_one = [torch.ops.staticrt.int8_linear(x[m : m + 1], int8_groups(codes), scales) for m in range(5)]
+    assert torch.equal(y, torch.cat(one_by_one))  # a row's sums, in its order, whatever the rows beside it

@@ -88,7 +88,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  each_channel_block<4>(M, N, [&](int64_t m, int64_t n0, int rows) {
+  each_channel_block<4, 1>(M, N, [&](int64_t m, int64_t n0, int rows, int) {
     int4_rows(xr.q.data() + m * K, sS.data() + m * C * 4, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows,
               yp + m * N + n0);
   });

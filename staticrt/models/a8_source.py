@@ -42,12 +42,17 @@ static QuantizedRows quantize_rows(const torch::Tensor& x) {
   return r;
 }
 
-// run(m, n0, rows) for every row m and each W channels n0.. of a matrix of N (rows: W, or what is
-// left), the channels split between threads: W channels at a time share each activation block
-template <int W, class Run> static void each_channel_block(int64_t M, int64_t N, Run run) {
+// run(m, n0, rows, count) for each W channels n0.. of a matrix of N (rows: W, or what is left) and
+// its rows m .. m + count of x, count = R while R are left, then 1: the channels split between
+// threads, R rows sharing each load of the W channels' weights
+template <int W, int R, class Run> static void each_channel_block(int64_t M, int64_t N, Run run) {
   #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < N; n0 += W)
-    for (int64_t m = 0; m < M; ++m) run(m, n0, (int)std::min<int64_t>(W, N - n0));
+  for (int64_t n0 = 0; n0 < N; n0 += W) {
+    const int rows = (int)std::min<int64_t>(W, N - n0);
+    int64_t m = 0;
+    for (; m + R <= M; m += R) run(m, n0, rows, R);
+    for (; m < M; ++m) run(m, n0, rows, 1);
+  }
 }
 
 // A mixture of experts' step: index [R] (checked in 0..E-1) names the expert row r of x goes
