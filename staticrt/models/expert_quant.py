@@ -31,6 +31,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError
 from .a8_kernels import STEP
 from .a8_linear import int4_blocks, int4_weight, int8_codes, int8_groups, int8_ungrouped
+from .moe import expert_rows
 from .quant_spec import QuantSpec
 
 
@@ -68,7 +69,7 @@ class QuantizedStack(nn.Module):
         """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert)
         through the experts `chosen [T, k]`, on the kernels (`int8_experts`, `int4_experts`): `[T, k, N]`."""
         tokens, k = chosen.shape
-        rows = (x[:, None].expand(tokens, k, x.shape[-1]) if x.dim() == 2 else x).reshape(tokens * k, -1)
+        rows = expert_rows(x, chosen)  # [T * k, K]
         if self.bits == 8:
             out = torch.ops.staticrt.int8_experts(rows, self.codes, self.scales, chosen.reshape(-1))
         else:

@@ -28,6 +28,13 @@ from ..config import ModelConfig
 from .feed_forward import activate, uses_tanh_gelu
 
 
+def expert_rows(x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert) as
+    the rows a kernel takes, one a chosen expert of `chosen [T, k]`: `[T * k, K]`."""
+    tokens, k = chosen.shape
+    return (x[:, None].expand(tokens, k, x.shape[-1]) if x.dim() == 2 else x).reshape(tokens * k, -1)
+
+
 class Experts(nn.Module):
     """E experts' gated MLPs, stacked: `gate_up_proj [E, 2I, H]` (an expert's gate rows, then its up
     rows) and `down_proj [E, H, I]`, and with `bias` their biases `[E, 2I]`, `[E, H]`
