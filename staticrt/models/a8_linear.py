@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from .a8_kernels import BLOCK, STEP
-
-GROUP = 16  # channels whose codes int8_linear's layout interleaves (int8_groups)
+from .channel_groups import channel_groups
 
 
 class A8Linear(nn.Module):
@@ -48,19 +47,9 @@ def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_groups(codes: torch.Tensor) -> torch.Tensor:
-    """`codes [..., N, K]` -> `[..., G, K / 4, 16, 4]`, G = N / 16 rounded up (the channels past N
-    zero): channel 16g + c's codes 4t .. 4t+3 at `[g, t, c]`, the 64 bytes `int8_linear` loads at
-    once. Worked example, K = 8: channel 17's codes 4..7 are at `[1, 1, 1]`, bytes 68..71 (t * 64 +
-    c * 4) of group 1."""
-    *lead, n, k = codes.shape
-    padded = torch.nn.functional.pad(codes, (0, 0, 0, -n % GROUP))
-    return padded.view(*lead, -1, GROUP, k // 4, 4).transpose(-3, -2).contiguous()
-
-
-def int8_ungrouped(groups: torch.Tensor, n: int) -> torch.Tensor:
-    """`int8_groups`' `[..., G, K / 4, 16, 4]` back to its N channels' codes `[..., N, K]`."""
-    *lead, g, quarters, _, _ = groups.shape
-    return groups.transpose(-3, -2).reshape(*lead, g * GROUP, quarters * 4)[..., :n, :]
+    """`codes [..., N, K]` as `int8_linear` reads them: `[..., G, K / 4, 16, 4]`, 16 channels' next
+    4 codes a 64-byte load (channel_groups.py)."""
+    return channel_groups(codes, 4)
 
 
 class Int4Linear(A8Linear):

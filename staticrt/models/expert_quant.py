@@ -30,7 +30,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .a8_kernels import STEP
-from .a8_linear import int4_blocks, int4_weight, int8_codes, int8_groups, int8_ungrouped
+from .a8_linear import int4_blocks, int4_weight, int8_codes, int8_groups
+from .channel_groups import channel_ungrouped
 from .moe import expert_rows
 from .quant_spec import QuantSpec
 
@@ -58,7 +59,7 @@ class QuantizedStack(nn.Module):
         """The experts at `index` (any shape, or one expert) dequantized: `[*index, N, K]` in `dtype`."""
         codes = self.codes[index]
         if self.bits == 8 and self.kernel:
-            codes = int8_ungrouped(codes, self.shape[0])
+            codes = channel_ungrouped(codes, self.shape[0])
         lead = codes.shape[:-2]
         if self.bits == 8:
             return codes.to(dtype) * self.scales[index].to(dtype)[..., None]

@@ -4,7 +4,7 @@ experts in place (`f32_experts`, packed_gemv_source.py), on the CPU graphs of a 
 
 Gathered, a decode step copies the k chosen experts' weights (`[T, k, N, K]`) and reads the copy
 again: three passes over the experts' bytes where one would do. An expert's `[N, K]` weight is
-held in blocks of 16 channels, `[G, K, 16]` (G = N / 16 rounded up, the channels past N zero):
+held in blocks of 16 channels, `[G, K, 16]` (channel_groups.py; G = N / 16 rounded up):
 channel n's weight k at `[n // 16, k, n % 16]`, so each k is one 64-byte load of 16 channels'
 weights times x[k] (f32_packed_linear's order, whose block kernel it runs). Worked example, K =
 1024: channel 17's weight 3 is float 1 * 1024 * 16 + 3 * 16 + 1 = 16433 of the expert's. A step
@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from . import packed_gemv
+from .channel_groups import channel_groups, channel_ungrouped
 from .moe import Experts, expert_rows
-
-GROUP = 16  # channels a block, one AVX-512 register of float32 (two of AVX2)
 
 
 class PackedStack(nn.Module):
@@ -34,17 +33,13 @@ class PackedStack(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        experts, n, k = weight.shape
-        self.shape = (n, k)
-        padded = nn.functional.pad(weight.detach(), (0, 0, 0, -n % GROUP))
-        blocks = padded.view(experts, -1, GROUP, k).transpose(-2, -1).contiguous()  # [E, G, K, 16]
+        self.shape = tuple(weight.shape[1:])  # (N, K)
+        blocks = channel_groups(weight.detach(), 1).flatten(-2)  # [E, G, K, 16]
         self.blocks = nn.Parameter(blocks, requires_grad=False)
 
     def gather(self, index: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
         """The experts at `index` (any shape, or one expert) laid back out: `[*index, N, K]` in `dtype`."""
-        blocks = self.blocks[index]  # [*index, G, K, 16]
-        n, k = self.shape
-        return blocks.transpose(-2, -1).reshape(*blocks.shape[:-3], -1, k)[..., :n, :].to(dtype)
+        return channel_ungrouped(self.blocks[index].unsqueeze(-1), self.shape[0]).to(dtype)
 
     def project(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen
