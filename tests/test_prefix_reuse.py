@@ -327,6 +327,44 @@ def test_a_row_the_pool_already_holds_is_not_copied_again(hf_checkpoints, monkey
     assert [(e.held, e.beyond) for e in memory.pool] == [([7, 8], 0), ([7, 8], 5)] and copies == [0, 0]
 
 
+def test_a_saved_row_of_a_megabyte_and_up_is_a_mapping_of_its_own_freed_whole(monkeypatch):
+    """A pool entry's parts (rows.py) as views of one anonymous mapping: exact copies of the row
+    whatever their dtypes, put back exactly, and unmapped when the entry goes (the heap never holds
+    them, so evicting them leaves it no holes); a row under a megabyte stays on the heap."""
+    import gc
+
+    from staticrt.caches import row_state
+
+    def mappings() -> int:
+        with open("/proc/self/maps") as maps:
+            return sum(1 for _ in maps)
+
+    # SmolLM2's K/V rows (30 layers, 3 heads of 64, 556 positions) beside odd-sized parts of other dtypes
+    buffers = {f"{k}_{i}": torch.randn(2, 3, 556, 64) for i in range(30) for k in ("key", "value")}
+    buffers |= {
+        "scale_0": torch.randn(2, 3, 556).half(),
+        "codes_0": torch.randint(-128, 127, (2, 5, 7), dtype=torch.int8),
+    }
+    buffers |= {"lengths_0": torch.tensor([300, 17])}
+    row_state.save_row(buffers, 0, 300, 556)  # a first copy leaves a few mappings of its set-up (4 here)
+    gc.collect()
+    before = mappings()
+    saved = row_state.save_row(buffers, 0, 300, 556)
+    assert mappings() == before + 1 and saved.nbytes == 60 * 3 * 300 * 64 * 4 + 3 * 300 * 2 + 5 * 7 + 8
+    held = lambda buf, r: buf[r, :, :300] if buf.dim() >= 3 and buf.shape[2] == 556 else buf[r]  # noqa: E731
+    for part, (name, buf) in zip(saved.parts, buffers.items(), strict=True):
+        assert torch.equal(part, held(buf, 0)), name
+    restored = {name: torch.zeros_like(buf) for name, buf in buffers.items()}
+    row_state.load_row(restored, 1, saved)
+    for name, buf in buffers.items():
+        assert torch.equal(held(restored[name], 1), held(buf, 0)), name
+    del saved, part
+    gc.collect()
+    assert mappings() == before
+    small = row_state.save_row(buffers, 0, 4, 556)  # 184 KB
+    assert mappings() == before and small.nbytes < row_state.MAPPED_ROW_BYTES
+
+
 def test_two_pool_entries_holding_the_same_ids_are_told_apart(hf_checkpoints):
     """Two rows of a sliding cache that held the same conversation with different marks both go to
     the pool; restoring the newer one takes that one out (a server's replicas saw it: identical

@@ -13,6 +13,7 @@ of its 25.6 MB. Writes are in place: compiled and captured graphs keep their add
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -34,17 +35,37 @@ class RowState:
         return sum(part.numel() * part.element_size() for part in self.parts)
 
 
+# A saved row of 1 MB and up is one anonymous mapping of its own, its parts views of it: evicted, it
+# goes back to the system whole. Copied by torch's allocator instead, a server's parts of 15-170 KB
+# (SmolLM2) landed in glibc's heap between the steps' temporaries and left holes there when evicted:
+# RSS less the pool 1.71x over an hour's soak with the pool full (docs/measurements.md). Smaller rows
+# stay on the heap, where they cannot fragment much: a mapping each would meet the kernel's limit on
+# mappings (vm.max_map_count, 65,530 by default) before a pool of a few GB filled.
+MAPPED_ROW_BYTES = 1 << 20
+ALIGN = 64
+
+
 def save_row(buffers: Mapping[str, torch.Tensor], row: int, length: int, limit: int | None) -> RowState:
     """Row `row` of every batch-first buffer (by its name in the cache, `{part}_{layer}`), a linear
     layer's (dim 2 == `limit`, the positions a row reaches; None: no layer is linear) cut to its
     first `length` positions, copied to the host. A recurrent layer's buffers are kept whole, whatever
     their sizes: a Mamba2 state `[B, H, D, N]` whose D equals `limit` holds no positions."""
-    parts = []
+    sources = []
     for name, buf in buffers.items():
         state = name.rpartition("_")[0] in STATE_PARTS
         linear = limit is not None and buf.dim() >= 3 and buf.shape[2] == limit and not state
-        part = buf[row, :, :length] if linear else buf[row]
-        parts.append(part.to("cpu", copy=True))
+        sources.append(buf[row, :, :length] if linear else buf[row])
+    sizes = [-(-part.numel() * part.element_size() // ALIGN) * ALIGN for part in sources]
+    if sum(sizes) < MAPPED_ROW_BYTES:
+        return RowState([part.to("cpu", copy=True) for part in sources])
+    # frombuffer keeps the mapping alive while any part is; munmap when the last part goes
+    flat = torch.frombuffer(mmap.mmap(-1, sum(sizes)), dtype=torch.uint8)
+    parts, offset = [], 0
+    for part, size in zip(sources, sizes, strict=True):
+        nbytes = part.numel() * part.element_size()
+        host = flat[offset : offset + nbytes].view(part.dtype).view(part.shape)
+        parts.append(host.copy_(part))
+        offset += size
     return RowState(parts)
 
 
