@@ -327,17 +327,22 @@ def test_a_row_the_pool_already_holds_is_not_copied_again(hf_checkpoints, monkey
     assert [(e.held, e.beyond) for e in memory.pool] == [([7, 8], 0), ([7, 8], 5)] and copies == [0, 0]
 
 
-def test_a_saved_row_of_a_megabyte_and_up_is_a_mapping_of_its_own_freed_whole(monkeypatch):
-    """A pool entry's parts (rows.py) as views of one anonymous mapping: exact copies of the row
-    whatever their dtypes, put back exactly, and unmapped when the entry goes (the heap never holds
-    them, so evicting them leaves it no holes); a row under a megabyte stays on the heap."""
+def test_a_saved_row_of_a_megabyte_and_up_is_a_mapping_of_its_own_freed_whole():
+    """A pool entry's parts (rows.py) as views of one private anonymous mapping: exact copies of the
+    row whatever their dtypes, put back exactly, and unmapped when the entry goes (the heap never
+    holds them, so evicting them leaves it no holes); a row under a megabyte stays on the heap."""
     import gc
 
     from staticrt.caches import row_state
 
-    def mappings() -> int:
+    def mapping_of(address: int) -> str | None:
+        """The line of /proc/self/maps whose range holds `address`, if any."""
         with open("/proc/self/maps") as maps:
-            return sum(1 for _ in maps)
+            for line in maps:
+                low, high = (int(x, 16) for x in line.split()[0].split("-"))
+                if low <= address < high:
+                    return line.strip()
+        return None
 
     # SmolLM2's K/V rows (30 layers, 3 heads of 64, 556 positions) beside odd-sized parts of other dtypes
     buffers = {f"{k}_{i}": torch.randn(2, 3, 556, 64) for i in range(30) for k in ("key", "value")}
@@ -346,11 +351,11 @@ def test_a_saved_row_of_a_megabyte_and_up_is_a_mapping_of_its_own_freed_whole(mo
         "codes_0": torch.randint(-128, 127, (2, 5, 7), dtype=torch.int8),
     }
     buffers |= {"lengths_0": torch.tensor([300, 17])}
-    row_state.save_row(buffers, 0, 300, 556)  # a first copy leaves a few mappings of its set-up (4 here)
-    gc.collect()
-    before = mappings()
     saved = row_state.save_row(buffers, 0, 300, 556)
-    assert mappings() == before + 1 and saved.nbytes == 60 * 3 * 300 * 64 * 4 + 3 * 300 * 2 + 5 * 7 + 8
+    assert saved.nbytes == 60 * 3 * 300 * 64 * 4 + 3 * 300 * 2 + 5 * 7 + 8
+    first, last = saved.parts[0].data_ptr(), saved.parts[-1].data_ptr()
+    line = mapping_of(first)
+    assert line is not None and line.split()[1] == "rw-p" and not line.endswith("]") and mapping_of(last) == line
     held = lambda buf, r: buf[r, :, :300] if buf.dim() >= 3 and buf.shape[2] == 556 else buf[r]  # noqa: E731
     for part, (name, buf) in zip(saved.parts, buffers.items(), strict=True):
         assert torch.equal(part, held(buf, 0)), name
@@ -360,9 +365,9 @@ def test_a_saved_row_of_a_megabyte_and_up_is_a_mapping_of_its_own_freed_whole(mo
         assert torch.equal(held(restored[name], 1), held(buf, 0)), name
     del saved, part
     gc.collect()
-    assert mappings() == before
+    assert mapping_of(first) is None and mapping_of(last) is None  # unmapped, not a free chunk kept
     small = row_state.save_row(buffers, 0, 4, 556)  # 184 KB
-    assert mappings() == before and small.nbytes < row_state.MAPPED_ROW_BYTES
+    assert small.nbytes < row_state.MAPPED_ROW_BYTES and mapping_of(small.parts[0].data_ptr()).endswith("[heap]")
 
 
 def test_two_pool_entries_holding_the_same_ids_are_told_apart(hf_checkpoints):

@@ -59,7 +59,8 @@ def save_row(buffers: Mapping[str, torch.Tensor], row: int, length: int, limit: 
     if sum(sizes) < MAPPED_ROW_BYTES:
         return RowState([part.to("cpu", copy=True) for part in sources])
     # frombuffer keeps the mapping alive while any part is; munmap when the last part goes
-    flat = torch.frombuffer(mmap.mmap(-1, sum(sizes)), dtype=torch.uint8)
+    mapping = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem: mmap's default
+    flat = torch.frombuffer(mapping, dtype=torch.uint8)
     parts, offset = [], 0
     for part, size in zip(sources, sizes, strict=True):
         nbytes = part.numel() * part.element_size()
