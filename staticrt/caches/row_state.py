@@ -56,7 +56,7 @@ def save_row(buffers: Mapping[str, torch.Tensor], row: int, length: int, limit: 
         linear = limit is not None and buf.dim() >= 3 and buf.shape[2] == limit and not state
         sources.append(buf[row, :, :length] if linear else buf[row])
     sizes = [-(-part.numel() * part.element_size() // ALIGN) * ALIGN for part in sources]
-    if sum(sizes) < MAPPED_ROW_BYTES:
+    if sum(sizes) < MAPPED_ROW_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has no such flags)
         return RowState([part.to("cpu", copy=True) for part in sources])
     # frombuffer keeps the mapping alive while any part is; munmap when the last part goes
     mapping = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem: mmap's default
