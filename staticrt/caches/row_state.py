@@ -55,19 +55,17 @@ def save_row(buffers: Mapping[str, torch.Tensor], row: int, length: int, limit: 
         state = name.rpartition("_")[0] in STATE_PARTS
         linear = limit is not None and buf.dim() >= 3 and buf.shape[2] == limit and not state
         sources.append(buf[row, :, :length] if linear else buf[row])
-    sizes = [-(-part.numel() * part.element_size() // ALIGN) * ALIGN for part in sources]
-    if sum(sizes) < MAPPED_ROW_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has no such flags)
+    nbytes = [part.numel() * part.element_size() for part in sources]
+    starts = [0]  # each part's offset in the mapping, ALIGN-aligned; the last: its length
+    for n in nbytes:
+        starts.append(starts[-1] + -(-n // ALIGN) * ALIGN)
+    if starts[-1] < MAPPED_ROW_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):  # (Windows has no such flags)
         return RowState([part.to("cpu", copy=True) for part in sources])
     # frombuffer keeps the mapping alive while any part is; munmap when the last part goes
-    mapping = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem: mmap's default
+    mapping = mmap.mmap(-1, starts[-1], flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # not shmem: mmap's default
     flat = torch.frombuffer(mapping, dtype=torch.uint8)
-    parts, offset = [], 0
-    for part, size in zip(sources, sizes, strict=True):
-        nbytes = part.numel() * part.element_size()
-        host = flat[offset : offset + nbytes].view(part.dtype).view(part.shape)
-        parts.append(host.copy_(part))
-        offset += size
-    return RowState(parts)
+    views = (flat[start : start + n].view(p.dtype).view(p.shape) for p, start, n in zip(sources, starts, nbytes))
+    return RowState([host.copy_(part) for host, part in zip(views, sources)])
 
 
 def load_row(buffers: Mapping[str, torch.Tensor], row: int, state: RowState) -> None:
