@@ -22,7 +22,7 @@ from hf_models import hf_greedy, save_hf_model
 
 import staticrt
 from staticrt import GenerationError
-from staticrt.backends.eager import VERIFY
+from staticrt.backends.step import VERIFY
 from staticrt.bench.probes import weight_bytes_per_step
 from staticrt.models import a8_kernels
 from staticrt.models.packed_linear import PACK_MIN_HIDDEN, PackedLinear, PackedLookup, address, packing_available

@@ -17,7 +17,7 @@ from conftest import FAMILIES
 from hf_models import hf_greedy, save_hf_model
 
 import staticrt
-from staticrt.backends.eager import run_step
+from staticrt.backends.step import run_step
 from staticrt.caches import CacheSpec, OffloadedStaticCache, OffloadWarning, build_cache, offloaded
 from staticrt.config import ModelConfig
 from staticrt.errors import CacheError

@@ -212,9 +212,10 @@ def test_a_refused_request_never_runs_and_ignored_features_are_refused_by_name(m
         (dict(stream=True, stream_options=["include_usage"]), "stream_options"),
         (dict(stream="yes"), "stream"),
         (dict(logprobs=1), "logprobs"),
-        (dict(logit_bias={"5": 100}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),  # out of [-100, 100]
         (dict(echo=True), "echo"),
-        (dict(presence_penalty=0.5), "presence_penalty"),
+        (dict(repetition_penalty=1.2), "repetition_penalty"),
+        (dict(min_p=0.1), "min_p"),
         (dict(best_of=3), "best_of"),
         (dict(stop_token_ids=5), "stop_token_ids"),
         (dict(prompt="t1 \ud800 t2"), "prompt"),

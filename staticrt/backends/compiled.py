@@ -15,6 +15,7 @@ import time
 import types
 from collections.abc import Hashable, Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,20 +26,13 @@ from ..generation import builds
 from ..generation.loop import SamplingParams
 from ..models.packed_linear import PACK_MIN_HIDDEN, packs, weight_stamps
 from ..models.quant_spec import torchao_weights
-from .eager import EagerBackend, StepFn, run_step, starts_fresh, step_choice, verifies
+from .eager import EagerBackend
 from .freezing import frozen_decode_weights
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
+from .step import StepFn, graph_name, run_step, starts_fresh, step_choice, verifies
 
 log = logging.getLogger("staticrt")
-
-
-def graph_name(seq_len: int, choice: str, fresh: bool) -> str:
-    """What a graph is called in logs and in dynamo's code names: decode (greedy and sampling, the
-    "pick" choice), prefill64_beam8 (rows from position 0, `starts_fresh`), chunk64 (rows that
-    hold tokens already), decode_greedy (a CUDA graph's own choice), ..."""
-    width = "decode" if seq_len == 1 else f"{'prefill' if fresh else 'chunk'}{seq_len}"
-    return width if choice == "pick" else f"{width}_{choice}"
 
 
 # What a greedy step runs as in a "pick" graph: each row top-k 1 at temperature 1, the argmax.
@@ -85,6 +79,7 @@ class CompiledBackend(EagerBackend):
         self._checked: dict[tuple[int, str, bool], StepFn] = {}  # what runs a graph whose guards passed this generation
         self._built: set[tuple[int, str, bool]] = set()  # graphs that have run once: compiled (and captured)
         self._frozen_weights: list[tuple[int, int]] | None = None  # weights as a frozen graph holds them
+        self._no_bias: torch.Tensor | None = None  # the [B, V] zeros a step without a logit bias adds
         # CPU graphs kept across processes (graph_store.py); STATICRT_COMPILE_CACHE=off compiles each time.
         stored = os.environ.get("STATICRT_COMPILE_CACHE", "on").lower() not in ("0", "off", "no", "false")
         self.store = GraphStore(self.model, self.cache) if stored else None
@@ -107,7 +102,10 @@ class CompiledBackend(EagerBackend):
         A `stream` callback must not change the model or the cache in the middle of a generation."""
         choice = self.graph_choice(choice)
         if choice == "pick" and uniforms is None:
-            sampling, uniforms = _GREEDY_AS_PICK, np.zeros(len(input_ids), dtype=np.float32)
+            sampling, uniforms = (
+                replace(_GREEDY_AS_PICK, bias=sampling.bias),
+                np.zeros(len(input_ids), dtype=np.float32),
+            )
         key = (input_ids.shape[1], choice, starts_fresh(write_index, input_ids.shape[1]))
         if key in self._checked:
             return super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
@@ -126,6 +124,15 @@ class CompiledBackend(EagerBackend):
             self._frozen_weights = weight_stamps(self.model)
         self._checked[key] = self.past_guards(self._graphs[key])
         return result
+
+    def bias_input(self, bias: np.ndarray | None, batch: int) -> torch.Tensor:
+        """Always a bias `[B, V]`, zeros where the step has none: one graph serves steps with a
+        logit bias and steps without (an add of zeros leaves every logit, so every token, as it was)."""
+        if bias is not None:
+            return torch.from_numpy(bias).to(self.device)
+        if self._no_bias is None or self._no_bias.shape[0] != batch:
+            self._no_bias = torch.zeros(batch, self.vocab_size, device=self.device)
+        return self._no_bias
 
     def prepare(
         self,

@@ -38,7 +38,7 @@ import torch
 
 from ..generation.loop import SamplingParams, per_row
 from .compiled import CompiledBackend
-from .eager import EagerBackend, StepFn, choice_candidates, starts_fresh, step_choice, verifies
+from .eager import EagerBackend
 from .graph_capture import (
     CapturedGraph,
     HostEvent,
@@ -48,6 +48,7 @@ from .graph_capture import (
     uniform_input,
     warm_and_capture,
 )
+from .step import StepFn, choice_candidates, starts_fresh, step_choice, verifies
 
 _WARNED = False
 
@@ -133,6 +134,12 @@ class CudaGraphBackend(CompiledBackend):
             else:
                 self.captured[1, choice, False].expected = fed
         return next_ids
+
+    @property
+    def takes_bias(self) -> bool:
+        """Whether a step may add a logit bias (`run_step`'s `bias`): not in captured graphs yet,
+        whose run-ahead decode would choose a token before the host could bias it."""
+        return not self.captures
 
     def _may_run_ahead(self, write_index: np.ndarray) -> bool:
         """Whether greedy decode may launch the step after the one at `write_index [B]`: its

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..caches import KVCache
-from .eager import VERIFY_SAMPLE
+from .step import VERIFY_SAMPLE
 
 
 @dataclass

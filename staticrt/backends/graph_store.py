@@ -45,7 +45,7 @@ from ..errors import StaticrtError
 from ..models.decoder import Decoder
 from ..models.packed_gemv import packed_bytes
 from ..models.packed_linear import address, pack, weight_stamps
-from .eager import choice_candidates, run_step, verifies
+from .step import choice_candidates, run_step, verifies
 
 log = logging.getLogger("staticrt")
 
@@ -125,10 +125,12 @@ class StepModule(torch.nn.Module):
         self.packed, self.layers_once = packed, layers_once
 
     def forward(self, *inputs: torch.Tensor) -> Any:
+        *given, bias = inputs  # `_build`'s inputs: run_step's seven, then the logit bias [B, V]
         return run_step(
             self.model,
             self.cache,
-            *inputs,
+            *given,
+            bias=bias,
             candidates=choice_candidates(self.choice),
             fresh=self.fresh,
             layers_once=self.layers_once,
@@ -160,10 +162,10 @@ class StoredStep:
         self.addresses = live_addresses(step)  # what the runner now points at
         self._candidates = choice_candidates(step.choice)
 
-    def __call__(self, model: Decoder, cache: KVCache, *inputs: Any, **_: Any) -> Any:
+    def __call__(self, model: Decoder, cache: KVCache, *inputs: Any, bias: torch.Tensor, **_: Any) -> Any:
         # ids, write index, num new, temperature, top k, top p, uniform (none for a beam step)
         *given, uniform = inputs[:7]
-        outputs = self._runner.run([*given, torch.zeros(len(given[0])) if uniform is None else uniform])
+        outputs = self._runner.run([*given, torch.zeros(len(given[0])) if uniform is None else uniform, bias])
         return tuple(outputs) if self._candidates else outputs[0]
 
 
@@ -240,6 +242,7 @@ class GraphStore:
             torch.ones(batch, dtype=torch.int64),  # top_k [B]
             torch.ones(batch),  # top_p [B]
             torch.zeros(batch),  # uniform [B]
+            torch.zeros(batch, self.model.config.vocab_size),  # logit bias [B, V]
         )
         with torch.no_grad(), warnings.catch_warnings():  # torch's LeafSpec notice
             warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)

@@ -4,7 +4,7 @@ kept beside staticrt's cudagraph backend as the contender it is measured against
 from __future__ import annotations
 
 from .compiled import CompiledBackend
-from .eager import StepFn
+from .step import StepFn
 
 
 class ReduceOverheadBackend(CompiledBackend):

@@ -17,6 +17,7 @@ from typing import Any
 from ..artifacts.manifest import FORMATS, read_manifest, require_format
 from ..errors import ArtifactError, GenerationError, as_int
 from .beam_search import BeamParams, beam_search_tokens
+from .logit_bias import bias_rule
 from .loop import MAX_NEW_TOKENS, GenerationStats, SamplingParams, StepBackend, StreamCallback, generate_tokens
 from .speculative import Speculation
 
@@ -103,6 +104,10 @@ def _beam_params(
         )
     if speculative is not None:
         raise GenerationError("beam search does not speculate; pass num_beams=1 or speculative=None")
+    if sampling.rule is not None:
+        raise GenerationError(
+            "beam search takes no logit_bias or penalties yet; pass num_beams=1 for them, or leave them out"
+        )
     return params
 
 
@@ -177,6 +182,9 @@ class Generator:
         early_stopping: bool | str = False,
         reuse_prefix: bool = False,
         speculative: str | Speculation | None = None,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
     ) -> list[list[int]]:
         """New token ids per prompt; timings of the call land in `self.last_stats`.
 
@@ -191,9 +199,14 @@ class Generator:
         those of a whole prefill; `last_stats.kept` says how many each row kept.
 
         `speculative` "ngram[:K]": a step may verify K tokens drafted from the row's own, greedy or
-        sampling (generation/speculative.py); `last_stats` counts verify steps and accepted drafts."""
+        sampling (generation/speculative.py); `last_stats` counts verify steps and accepted drafts.
+
+        `logit_bias` {token id: bias in [-100, 100]}, `presence_penalty` and `frequency_penalty`
+        (in [-2, 2]) are OpenAI's, added to every row's logits before its choice
+        (generation/logit_bias.py: the penalties count the tokens a row generated, as vLLM's)."""
         self._refuse_reentry()
-        sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed)
+        rule = bias_rule(logit_bias, presence_penalty, frequency_penalty)
+        sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed, rule)
         with self._lock:
             self._running_in = threading.get_ident()
             try:
@@ -202,18 +215,8 @@ class Generator:
                 if not isinstance(reuse_prefix, bool):
                     raise GenerationError(f"reuse_prefix is {reuse_prefix!r}; it must be True or False")
                 if beams is None:
-                    tokens = generate_tokens(
-                        self.backend,
-                        prompts,
-                        max_new_tokens,
-                        sampling,
-                        stop_token_ids,
-                        stream,
-                        stats,
-                        self.held,
-                        reuse_prefix,
-                        speculative,
-                    )
+                    asked = (prompts, max_new_tokens, sampling, stop_token_ids, stream)
+                    tokens = generate_tokens(self.backend, *asked, stats, self.held, reuse_prefix, speculative)
                 else:
                     self.held[:] = [[] for _ in self.held]  # beams reorder and overwrite rows
                     tokens = beam_search_tokens(self.backend, prompts, max_new_tokens, beams, stop_token_ids, stats)

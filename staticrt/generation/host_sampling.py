@@ -14,10 +14,20 @@ import numpy as np
 
 def choose(logits: np.ndarray, sampling: Any, uniforms: np.ndarray | None) -> np.ndarray:
     """A step's tokens `[B]` from its logits `[B, V]`: greedy without uniforms, else sampled with
-    `sampling`'s temperature, top_k and top_p (one value, or one a row)."""
+    `sampling`'s temperature, top_k and top_p (one value, or one a row), after its logit bias."""
+    logits = biased(logits, sampling)
     if uniforms is None:
         return greedy(logits)
     return sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
+
+
+def biased(logits: np.ndarray, sampling: Any) -> np.ndarray:
+    """`logits [B, V]` or `[B, T, V]` plus the step's logit bias `[B, V]` (logit_bias.py) at every
+    position, as `run_step` adds it in the torch graphs; as they are without one."""
+    bias = getattr(sampling, "bias", None)
+    if bias is None:
+        return logits
+    return logits.astype(np.float32) + (bias if logits.ndim == 2 else bias[:, None, :])
 
 
 def greedy(logits: np.ndarray) -> np.ndarray:
@@ -76,6 +86,7 @@ def verify(logits: np.ndarray, input_ids: np.ndarray, num_new: np.ndarray, sampl
     greedy without uniforms, else by speculative sampling's rule (`sampling.verify_sample`, whose
     docstring gives it) with `uniforms [B, T, 2]`. Row b fed `input_ids[b, :num_new[b]]`: its next
     token, then its draft, so the token drafted after position t is the one fed at t + 1."""
+    logits = biased(logits, sampling)
     if uniforms is None:
         return greedy(logits)
     batch, width, vocab = logits.shape

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
+from .logit_bias import BiasRule, counting, row_biases, step_bias
 from .prefill import decoding, prefill_inputs, restart_width
 from .prefix import Layouts, mark_cut_tails
 from .request import validate_request
@@ -34,6 +35,8 @@ class SamplingParams:
     top_k: int = 0  # 0 keeps the whole vocabulary
     top_p: float = 1.0
     seed: int | None = None
+    rule: BiasRule | None = None  # logit_bias and penalties (logit_bias.py), a request's
+    bias: np.ndarray | None = field(default=None, compare=False)  # a step's [B, V] float32 added to the logits
 
     def checked(self, vocab_size: int) -> SamplingParams:
         """These parameters as plain Python numbers, or a GenerationError naming the one at fault.
@@ -50,7 +53,9 @@ class SamplingParams:
                 raise GenerationError(f"temperature is {temperature}; it must be > 0 (use do_sample=False for greedy)")
             if not 0 < top_p <= 1:
                 raise GenerationError(f"top_p is {top_p}; it must be in (0, 1]")
-        return SamplingParams(bool(self.do_sample), temperature, 0 if top_k >= vocab_size else top_k, top_p, seed)
+        rule = None if self.rule is None else self.rule.checked(vocab_size)
+        top_k = 0 if top_k >= vocab_size else top_k
+        return SamplingParams(bool(self.do_sample), temperature, top_k, top_p, seed, rule)
 
 
 class StepBackend(Protocol):
@@ -177,6 +182,7 @@ def generate_tokens(
     stats = stats if stats is not None else GenerationStats()
     batch, n_rows = backend.batch_size, len(rows)
     held = held if held is not None else [[] for _ in range(batch)]
+    biased = row_biases(sampling.rule, n_rows, speculative is not None)
     speculator = speculator_for(backend, speculative, sampling.do_sample, held, n_rows)
     kept, input_ids, write_index, lengths = prefill_inputs(backend, rows, held, reuse)
     restart = restart_width(backend, [len(ids) for ids in rows], max_new_tokens)
@@ -186,7 +192,8 @@ def generate_tokens(
 
     def step(ids: np.ndarray, num_new: np.ndarray, run: Callable = backend.step, shape: tuple = ()) -> np.ndarray:
         uniforms = _uniforms(rngs, shape) if sampling.do_sample else None
-        return _tracked(backend, held, n_rows, run, ids, write_index, num_new, sampling, uniforms)
+        params = replace(sampling, bias=step_bias(biased, batch, backend.vocab_size)) if biased else sampling
+        return _tracked(backend, held, n_rows, run, ids, write_index, num_new, params, uniforms)
 
     continuing, bucket = any(kept), input_ids.shape[1]
     stats.compile_s = _prepare(backend, bucket, max_new_tokens, sampling.do_sample, continuing, restart)
@@ -199,18 +206,15 @@ def generate_tokens(
     next_ids = step(input_ids, lengths)
     stats.prefill_s, stats.bucket, stats.decode_s, stats.kept = time.perf_counter() - start, bucket, [], list(kept)
     write_index += lengths
-    out = _decode(
+
+    def verify(ids: np.ndarray, num_new: np.ndarray) -> np.ndarray:
+        return step(ids, num_new, backend.verify_step, (ids.shape[1], 2))
+
+    steps, emit = (
         decoding(backend, step, restart, write_index, held, n_rows),
-        next_ids,
-        n_rows,
-        max_new_tokens,
-        stops,
-        stream,
-        write_index,
-        stats,
-        speculator,
-        lambda ids, num_new: step(ids, num_new, backend.verify_step, (ids.shape[1], 2)),
+        counting(biased, stream) if biased else stream,
     )
+    out = _decode(steps, next_ids, n_rows, max_new_tokens, stops, emit, write_index, stats, speculator, verify)
     mark_cut_tails(held, cut, kept, backend.rotating_layouts)
     return out
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import GenerationError
 from ..generation.buckets import chunk_end
+from ..generation.logit_bias import RowBias, step_bias
 from ..generation.loop import SamplingParams
 from ..generation.request import validate_request
 from ..text.stop_strings import StopStrings
@@ -112,9 +113,18 @@ class Job:
     created_at: float = field(default_factory=time.perf_counter)
     last_at: float = 0.0
     stops: StopStrings | None = field(init=False)
+    bias: RowBias | None = field(init=False)  # its logit_bias and penalties (logit_bias.py)
 
     def __post_init__(self) -> None:
         self.stops = StopStrings(self.request.stop) if self.request.stop else None
+        rule = self.request.sampling.rule
+        self.bias = RowBias(rule) if rule else None
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its bias changes with each token it takes: it then drafts nothing (a verify
+        step adds one bias at every position)."""
+        return self.bias is not None and self.bias.rule.penalizes
 
     @property
     def position(self) -> int:
@@ -131,6 +141,8 @@ class Job:
         end at this token; otherwise when an event is due (`due`), a few tokens at a time."""
         request = self.request
         self.tokens.append(token)
+        if self.bias is not None:
+            self.bias.emitted(token)
         reason = "stop" if token in request.stop_token_ids else None
         if self.stops is not None and not self.text_final:
             cut = self._read()
@@ -214,10 +226,13 @@ class Plan:
         greedy graph, as a lone generation uses); else the sampling graph with each row's own
         parameters and uniforms from its own generator, greedy rows as top_k 1 (the argmax): one
         a row, or in a verify step two a position `[T, 2]` (`sampling.verify_sample`)."""
+        batch, width = self.input_ids.shape
+        rows = {self.slot[job]: job.bias for job in jobs if job.bias is not None}
+        bias = step_bias(rows, batch, self.backend.vocab_size)
         sampled = [job for job in jobs if job.request.sampling.do_sample]
         if not sampled:
+            self.sampling = (SamplingParams(bias=bias), None)
             return
-        batch, width = self.input_ids.shape
         temperature = np.ones(batch, dtype=np.float32)
         top_k = np.ones(batch, dtype=np.int64)
         top_p = np.ones(batch, dtype=np.float32)
@@ -227,7 +242,7 @@ class Plan:
             params, row = job.request.sampling, self.slot[job]
             temperature[row], top_k[row], top_p[row] = params.temperature, params.top_k, params.top_p
             uniforms[row] = job.rng.random(draws, dtype=np.float32)
-        self.sampling = (SamplingParams(True, temperature, top_k, top_p), uniforms)
+        self.sampling = (SamplingParams(True, temperature, top_k, top_p, bias=bias), uniforms)
 
     def run(self) -> np.ndarray:
         """The step: each row's next token `[B]`, or in a verify step the token after each position `[B, T]`."""

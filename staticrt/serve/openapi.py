@@ -15,6 +15,7 @@ from typing import Any
 
 from .http_limits import BODY_S
 from .job import MAX_STOP_CHARS, MAX_STOPS
+from .logit_fields import bias_schema
 from .protocol import UNSUPPORTED, Limits
 
 TEXT_PART = {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}, "text": {}}}
@@ -83,6 +84,7 @@ def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
         "max_tokens": tokens,
+        **bias_schema(limits.vocab_size),
         # not implemented: refused unless it asks for nothing
         **{name: {"enum": _distinct(harmless)} for name, harmless in UNSUPPORTED.items()},
     }

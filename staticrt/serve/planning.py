@@ -141,7 +141,9 @@ def _verify_plan(
         log.warning("the draft model failed, so this step verifies nothing: %s", err)
         spec.drafter.held[:] = [[] for _ in spec.drafter.held]  # what its rows hold is no longer known
         return None
-    drafts = {job: proposed[job.row] for job in decoding}
+    drafts = {
+        job: proposed[job.row][: 0 if job.penalized else None] for job in decoding
+    }  # a penalized row drafts nothing
     if not any(len(d) for d in drafts.values()):
         return None
     return _decode_plan(backend, memory, rows, decoding, prefilling, drafts, spec.k + 1)

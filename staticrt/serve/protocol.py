@@ -24,6 +24,7 @@ from ..text.tokenizer import check_text
 from ..text.tool_calls import ToolCall
 from .bad_request import BadRequest, shown
 from .job import check_stops
+from .logit_fields import bias_fields
 from .scheduler import Completion
 from .tools import Tools, check_tools, template_messages
 
@@ -32,12 +33,9 @@ from .tools import Tools, check_tools, template_messages
 UNSUPPORTED = {
     "logprobs": (None, False),
     "top_logprobs": (None,),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
     "functions": (None, []),  # the legacy form of tools: send `tools`
@@ -225,7 +223,8 @@ def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool
     stop = tuple(_text(s, "stop") for s in stop)
     stop_ids = body.get("stop_token_ids")
     stop_ids = [] if stop_ids in (None, []) else _token_list(stop_ids, "stop_token_ids", limits.vocab_size)
-    sampling = SamplingParams(temperature > 0, temperature if temperature > 0 else 1.0, top_k, top_p, seed)
+    rule = bias_fields(body, limits.vocab_size)
+    sampling = SamplingParams(temperature > 0, temperature if temperature > 0 else 1.0, top_k, top_p, seed, rule)
     return Completion(prompt, max_tokens, sampling, tuple(limits.eos_token_ids) + tuple(stop_ids), stop)
 
 

@@ -1,0 +1,58 @@
+"""OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty` read from a request body into
+the rule each step adds to the row's logits (generation/logit_bias.py), each field refused by name
+where it is outside its bounds; and their OpenAPI schema."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from ..errors import GenerationError
+from ..generation.logit_bias import MAX_BIAS, MAX_PENALTY, BiasRule
+from .bad_request import BadRequest, shown
+
+PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
+def bias_fields(body: dict, vocab_size: int) -> BiasRule | None:
+    """The request's rule, or None where it adds nothing. JSON keys are strings, so `logit_bias`'s
+    are token ids written in decimal ("50256"), as OpenAI's API takes them."""
+    raw = body.get("logit_bias")
+    if raw is not None and not isinstance(raw, dict):
+        raise BadRequest(f"logit_bias is {shown(raw)}; it must be an object of token id -> bias", "logit_bias")
+    pairs = []
+    for key, value in (raw or {}).items():
+        if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
+            raise BadRequest(f'logit_bias has the key {shown(key)}; its keys are token ids, as "50256"', "logit_bias")
+        pairs.append((int(key), value))
+    penalties = []
+    for name in PENALTIES:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise BadRequest(f"{name} is {shown(value)}; it must be a number in [-2, 2]", name)
+        penalties.append(0.0 if value is None else value)
+    for name, value in zip(PENALTIES, penalties, strict=True):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise BadRequest(f"{name} is {value}; it must be in [-2, 2]", name)
+    try:
+        return BiasRule(tuple(pairs), *penalties).checked(vocab_size)
+    except GenerationError as err:  # an id outside the vocabulary, a bias outside [-100, 100]
+        raise BadRequest(str(err), "logit_bias") from None
+
+
+def bias_schema(vocab_size: int) -> dict[str, Any]:
+    """The three fields' OpenAPI schema for a model of `vocab_size` tokens."""
+    digits = len(str(vocab_size - 1))
+    return {
+        "logit_bias": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "propertyNames": {"pattern": f"^[0-9]{{1,{digits}}}$"},
+                    "additionalProperties": {"type": "number", "minimum": -MAX_BIAS, "maximum": MAX_BIAS},
+                },
+                {"type": "null"},
+            ]
+        },
+        **{name: {"type": ["number", "null"], "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY} for name in PENALTIES},
+    }
