@@ -28,6 +28,8 @@ _EXPORTS = {
     "load_artifact": "staticrt.generation.generator",
     "SamplingParams": "staticrt.generation.loop",
     "Speculation": "staticrt.generation.speculative",
+    "Grammar": "staticrt.generation.grammar",
+    "json_schema_grammar": "staticrt.generation.grammar",
     "CacheSpec": "staticrt.caches",
     "StaticCache": "staticrt.caches",
     "SlidingWindowCache": "staticrt.caches",

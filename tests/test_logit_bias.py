@@ -95,8 +95,11 @@ def test_bad_values_are_refused_by_name_before_anything_runs(hf_checkpoints, gen
         (dict(logit_bias={"5": 1.0}), "logit_bias token id is '5' (str); it must be an int"),
         (dict(logit_bias=[(5, 1.0)]), "logit_bias is a list; pass a dict of token id -> bias"),
         (dict(presence_penalty=2.5), "presence_penalty is 2.5; it must be in [-2, 2]"),
-        (dict(frequency_penalty=1.0, speculative="ngram"), "presence_penalty and frequency_penalty change with"),
-        (dict(logit_bias={5: 1.0}, num_beams=2), "beam search takes no logit_bias or penalties yet"),
+        (
+            dict(frequency_penalty=1.0, speculative="ngram"),
+            "a grammar and presence_penalty and frequency_penalty change with",
+        ),
+        (dict(logit_bias={5: 1.0}, num_beams=2), "beam search takes no logit_bias, penalties or grammar yet"),
     ]
     held = [list(row) for row in gen.held]
     for options, message in cases:

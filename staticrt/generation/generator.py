@@ -17,6 +17,7 @@ from typing import Any
 from ..artifacts.manifest import FORMATS, read_manifest, require_format
 from ..errors import ArtifactError, GenerationError, as_int
 from .beam_search import BeamParams, beam_search_tokens
+from .grammar import Grammar
 from .logit_bias import bias_rule
 from .loop import MAX_NEW_TOKENS, GenerationStats, SamplingParams, StepBackend, StreamCallback, generate_tokens
 from .speculative import Speculation
@@ -106,7 +107,7 @@ def _beam_params(
         raise GenerationError("beam search does not speculate; pass num_beams=1 or speculative=None")
     if sampling.rule is not None:
         raise GenerationError(
-            "beam search takes no logit_bias or penalties yet; pass num_beams=1 for them, or leave them out"
+            "beam search takes no logit_bias, penalties or grammar yet; pass num_beams=1 for them, or leave them out"
         )
     return params
 
@@ -185,6 +186,7 @@ class Generator:
         logit_bias: dict[int, float] | None = None,
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
+        grammar: Grammar | None = None,
     ) -> list[list[int]]:
         """New token ids per prompt; timings of the call land in `self.last_stats`.
 
@@ -201,11 +203,11 @@ class Generator:
         `speculative` "ngram[:K]": a step may verify K tokens drafted from the row's own, greedy or
         sampling (generation/speculative.py); `last_stats` counts verify steps and accepted drafts.
 
-        `logit_bias` {token id: bias in [-100, 100]}, `presence_penalty` and `frequency_penalty`
-        (in [-2, 2]) are OpenAI's, added to every row's logits before its choice
-        (generation/logit_bias.py: the penalties count the tokens a row generated, as vLLM's)."""
+        `logit_bias` {token id: bias in [-100, 100]}, `presence_penalty` and `frequency_penalty` ([-2, 2],
+        vLLM's definition) and a JSON schema's `grammar` (`staticrt.json_schema_grammar`; stop at the eos
+        ids) bias each row's logits before its choice (generation/logit_bias.py, grammar.py)."""
         self._refuse_reentry()
-        rule = bias_rule(logit_bias, presence_penalty, frequency_penalty)
+        rule = bias_rule(logit_bias, presence_penalty, frequency_penalty, grammar)
         sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed, rule)
         with self._lock:
             self._running_in = threading.get_ident()

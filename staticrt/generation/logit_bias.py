@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
+from .grammar import Grammar
 
 # OpenAI's bounds: a bias of -100 bans a token, 100 all but forces it; penalties in [-2, 2]
 MAX_BIAS, MAX_PENALTY = 100.0, 2.0
@@ -31,10 +32,17 @@ class BiasRule:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    grammar: Grammar | None = field(default=None, compare=False)  # a JSON schema's tokens (grammar.py)
 
     @property
     def penalizes(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def follows_tokens(self) -> bool:
+        """Whether the bias changes with each token the row takes (penalties, a grammar): a verify
+        step, which adds one bias at every position, cannot follow it."""
+        return self.penalizes or self.grammar is not None
 
     def checked(self, vocab_size: int) -> BiasRule | None:
         """This rule with plain Python numbers in range, None where it adds nothing, or a
@@ -57,17 +65,21 @@ class BiasRule:
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise GenerationError(f"{name} is {value}; it must be in [-2, 2]")
             penalties.append(value)
-        rule = BiasRule(tuple(dict(pairs).items()), *penalties)  # a token named twice: its last bias, as a dict
-        return rule if rule.logit_bias or rule.penalizes else None
+        rule = BiasRule(tuple(dict(pairs).items()), *penalties, self.grammar)  # a token named twice: its last bias
+        return rule if rule.logit_bias or rule.follows_tokens else None
 
 
-def bias_rule(logit_bias: Any = None, presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0) -> BiasRule | None:
-    """The rule of the Python API's and the server's arguments (`logit_bias`: {token id: bias}),
-    unchecked (`BiasRule.checked`); None where it adds nothing."""
+def bias_rule(
+    logit_bias: Any = None, presence_penalty: Any = 0.0, frequency_penalty: Any = 0.0, grammar: Grammar | None = None
+) -> BiasRule | None:
+    """The rule of the Python API's arguments (`logit_bias`: {token id: bias}), unchecked
+    (`BiasRule.checked`); None where it adds nothing."""
     if logit_bias is not None and not isinstance(logit_bias, dict):
         raise GenerationError(f"logit_bias is a {type(logit_bias).__name__}; pass a dict of token id -> bias")
-    rule = BiasRule(tuple((logit_bias or {}).items()), presence_penalty, frequency_penalty)
-    return rule if rule.logit_bias or presence_penalty or frequency_penalty else None
+    if grammar is not None and not isinstance(grammar, Grammar):
+        raise GenerationError(f"grammar is a {type(grammar).__name__}; pass a staticrt.Grammar")
+    rule = BiasRule(tuple((logit_bias or {}).items()), presence_penalty, frequency_penalty, grammar)
+    return rule if rule.logit_bias or presence_penalty or frequency_penalty or grammar else None
 
 
 class RowBias:
@@ -77,10 +89,13 @@ class RowBias:
     def __init__(self, rule: BiasRule) -> None:
         self.rule = rule
         self.counts: Counter[int] = Counter()
+        self.matcher = None if rule.grammar is None else rule.grammar.matcher()
 
     def emitted(self, token: int) -> None:
         if self.rule.penalizes:
             self.counts[token] += 1
+        if self.matcher is not None:
+            self.matcher.consume(token)
 
     def write(self, out: np.ndarray) -> None:
         """Set `out [V]` float32 to this row's bias for its next token."""
@@ -91,6 +106,8 @@ class RowBias:
             tokens = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
             counts = np.fromiter(self.counts.values(), dtype=np.float32, count=len(self.counts))
             out[tokens] -= self.rule.frequency_penalty * counts + self.rule.presence_penalty
+        if self.matcher is not None:
+            self.matcher.forbid(out)
 
 
 def step_bias(rows: dict[int, RowBias], batch: int, vocab_size: int) -> np.ndarray | None:
@@ -109,10 +126,10 @@ def row_biases(rule: BiasRule | None, n_rows: int, speculating: bool) -> dict[in
     with every token a draft holds, which a verify step's one bias a row cannot follow."""
     if rule is None:
         return {}
-    if rule.penalizes and speculating:
+    if rule.follows_tokens and speculating:
         raise GenerationError(
-            "presence_penalty and frequency_penalty change with every token a draft holds, which a verify step "
-            "cannot follow; drop speculative or the penalties"
+            "a grammar and presence_penalty and frequency_penalty change with every token a draft holds, which a "
+            "verify step cannot follow; drop speculative, or the grammar and the penalties"
         )
     return {r: RowBias(rule) for r in range(n_rows)}
 

@@ -68,7 +68,7 @@ def validate_request(
     sampling = sampling.checked(backend.vocab_size)
     if sampling.rule is not None and not getattr(backend, "takes_bias", True):
         raise GenerationError(
-            f"logit_bias and the penalties are not in {backend.name}'s captured graphs yet; "
+            f"logit_bias, the penalties and response_format are not in {backend.name}'s captured graphs yet; "
             "run the compiled or eager backend, or an artifact, for them"
         )
     stops = frozenset(() if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"))

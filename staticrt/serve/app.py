@@ -212,7 +212,7 @@ def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> Asked:
         prompt, tools = chat_prompt(body, tokenizer)
     else:
         prompt, tools = completion_prompt(body, tokenizer, limits.vocab_size), None
-    one = completion_request(body, prompt, limits, chat)
+    one = completion_request(body, prompt, limits, chat, tokenizer)
     seed = one.sampling.seed
     seeds = [None if seed is None else seed + i for i in range(n)]
     completions = [dataclasses.replace(one, sampling=dataclasses.replace(one.sampling, seed=s)) for s in seeds]

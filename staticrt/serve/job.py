@@ -121,10 +121,10 @@ class Job:
         self.bias = RowBias(rule) if rule else None
 
     @property
-    def penalized(self) -> bool:
-        """Whether its bias changes with each token it takes: it then drafts nothing (a verify
-        step adds one bias at every position)."""
-        return self.bias is not None and self.bias.rule.penalizes
+    def follows_tokens(self) -> bool:
+        """Whether its bias changes with each token it takes (penalties, a JSON schema): it then
+        drafts nothing (a verify step adds one bias at every position)."""
+        return self.bias is not None and self.bias.rule.follows_tokens
 
     @property
     def position(self) -> int:

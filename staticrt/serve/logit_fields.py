@@ -1,22 +1,54 @@
-"""OpenAI's `logit_bias`, `presence_penalty` and `frequency_penalty` read from a request body into
-the rule each step adds to the row's logits (generation/logit_bias.py), each field refused by name
-where it is outside its bounds; and their OpenAPI schema."""
+"""OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty` and `response_format` read from a
+request body into the rule each step adds to the row's logits (generation/logit_bias.py; a JSON
+schema as generation/grammar.py's tokens), each field refused by name where it is outside its
+bounds; and their OpenAPI schema."""
 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import GenerationError
+from ..generation.grammar import Grammar
 from ..generation.logit_bias import MAX_BIAS, MAX_PENALTY, BiasRule
 from .bad_request import BadRequest, shown
 
 PENALTIES = ("presence_penalty", "frequency_penalty")
+FORMAT = "response_format"
 
 
-def bias_fields(body: dict, vocab_size: int) -> BiasRule | None:
-    """The request's rule, or None where it adds nothing. JSON keys are strings, so `logit_bias`'s
-    are token ids written in decimal ("50256"), as OpenAI's API takes them."""
+def response_grammar(body: dict, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Grammar | None:
+    """`response_format`'s grammar: none for text, any JSON object for "json_object", the given
+    schema for "json_schema" (OpenAI's `{"json_schema": {"name": ..., "schema": {...}}}`)."""
+    asked = body.get("response_format")
+    kind = asked.get("type") if isinstance(asked, dict) else None
+    if asked is None or kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema" and isinstance(asked.get("json_schema"), dict):
+        schema = asked["json_schema"].get("schema")
+        if not isinstance(schema, dict):
+            raise BadRequest(
+                f"response_format.json_schema.schema is {shown(schema)}; send a JSON schema object", FORMAT
+            )
+    else:
+        raise BadRequest(
+            f'response_format is {shown(asked)}; it is {{"type": "text"}}, {{"type": "json_object"}} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+            FORMAT,
+        )
+    try:
+        return Grammar(tokenizer, schema, vocab_size, eos_token_ids)
+    except GenerationError as err:
+        raise BadRequest(str(err), FORMAT) from None
+
+
+def bias_fields(body: dict, vocab_size: int, grammar: Grammar | None = None) -> BiasRule | None:
+    """The request's rule with `grammar` (`response_grammar`), or None where it adds nothing. JSON
+    keys are strings, so `logit_bias`'s are token ids written in decimal ("50256"), as OpenAI's
+    API takes them."""
     raw = body.get("logit_bias")
     if raw is not None and not isinstance(raw, dict):
         raise BadRequest(f"logit_bias is {shown(raw)}; it must be an object of token id -> bias", "logit_bias")
@@ -35,7 +67,7 @@ def bias_fields(body: dict, vocab_size: int) -> BiasRule | None:
         if not -MAX_PENALTY <= value <= MAX_PENALTY:
             raise BadRequest(f"{name} is {value}; it must be in [-2, 2]", name)
     try:
-        return BiasRule(tuple(pairs), *penalties).checked(vocab_size)
+        return BiasRule(tuple(pairs), *penalties, grammar).checked(vocab_size)
     except GenerationError as err:  # an id outside the vocabulary, a bias outside [-100, 100]
         raise BadRequest(str(err), "logit_bias") from None
 
@@ -55,4 +87,22 @@ def bias_schema(vocab_size: int) -> dict[str, Any]:
             ]
         },
         **{name: {"type": ["number", "null"], "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY} for name in PENALTIES},
+        FORMAT: {
+            "anyOf": [
+                {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+                {
+                    "type": "object",
+                    "required": ["type", "json_schema"],
+                    "properties": {
+                        "type": {"enum": ["json_schema"]},
+                        "json_schema": {
+                            "type": "object",
+                            "required": ["name", "schema"],
+                            "properties": {"name": {"type": "string"}, "schema": {"type": "object"}},
+                        },
+                    },
+                },
+                {"type": "null"},
+            ]
+        },
     }

@@ -142,8 +142,8 @@ def _verify_plan(
         spec.drafter.held[:] = [[] for _ in spec.drafter.held]  # what its rows hold is no longer known
         return None
     drafts = {
-        job: proposed[job.row][: 0 if job.penalized else None] for job in decoding
-    }  # a penalized row drafts nothing
+        job: proposed[job.row][: 0 if job.follows_tokens else None] for job in decoding
+    }  # a row whose bias follows its tokens drafts nothing
     if not any(len(d) for d in drafts.values()):
         return None
     return _decode_plan(backend, memory, rows, decoding, prefilling, drafts, spec.k + 1)

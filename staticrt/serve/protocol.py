@@ -24,7 +24,7 @@ from ..text.tokenizer import check_text
 from ..text.tool_calls import ToolCall
 from .bad_request import BadRequest, shown
 from .job import check_stops
-from .logit_fields import bias_fields
+from .logit_fields import bias_fields, response_grammar
 from .scheduler import Completion
 from .tools import Tools, check_tools, template_messages
 
@@ -39,7 +39,6 @@ UNSUPPORTED = {
     "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
     "functions": (None, []),  # the legacy form of tools: send `tools`
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -189,8 +188,9 @@ def chat_prompt(body: dict, tokenizer: Any) -> tuple[list[int], Tools | None]:
         raise BadRequest(str(err), "messages") from None
 
 
-def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool) -> Completion:
-    """The scheduler's request from an OpenAI body, every field checked against `limits`."""
+def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool, tokenizer: Any = None) -> Completion:
+    """The scheduler's request from an OpenAI body, every field checked against `limits` (a JSON
+    schema's grammar built for `tokenizer`)."""
     if body.get("model") != limits.model:
         raise BadRequest(
             f"model {body.get('model')!r} is not served here; this server serves {limits.model!r}", "model"
@@ -223,7 +223,8 @@ def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool
     stop = tuple(_text(s, "stop") for s in stop)
     stop_ids = body.get("stop_token_ids")
     stop_ids = [] if stop_ids in (None, []) else _token_list(stop_ids, "stop_token_ids", limits.vocab_size)
-    rule = bias_fields(body, limits.vocab_size)
+    grammar = response_grammar(body, tokenizer, limits.vocab_size, limits.eos_token_ids)
+    rule = bias_fields(body, limits.vocab_size, grammar)
     sampling = SamplingParams(temperature > 0, temperature if temperature > 0 else 1.0, top_k, top_p, seed, rule)
     return Completion(prompt, max_tokens, sampling, tuple(limits.eos_token_ids) + tuple(stop_ids), stop)
 

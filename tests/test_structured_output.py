@@ -1,0 +1,218 @@
+"""Structured output (issue 66): a JSON schema kept by masking, in the step's logit bias, every
+token llguidance says cannot continue a document of it (generation/grammar.py). On the real
+SmolLM2: greedy tokens equal transformers' `generate` with a logits processor over the same
+library's matcher; through the official `openai` client, `response_format` json_schema on 20
+schemas and json_object, greedy and sampled, every reply parses and validates (`jsonschema`);
+a schema that does not compile is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import staticrt
+
+llguidance = pytest.importorskip("llguidance", reason="structured output needs the serve extra (llguidance)")
+jsonschema = pytest.importorskip("jsonschema", reason="the replies are validated with jsonschema: the test extra")
+
+NAME = {"type": "string", "maxLength": 16}
+INT = {"type": "integer", "minimum": -1000, "maximum": 1000}
+DEGREES = {"type": "number", "minimum": -180, "maximum": 180, "multipleOf": 0.01}  # its digits bounded too
+SCHEMAS = [
+    {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}},
+    {"type": "object", "properties": {"city": NAME, "country": NAME}, "required": ["city", "country"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}}, "required": ["answer"]},
+    {
+        "type": "object",
+        "properties": {"score": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.5}},
+        "required": ["score"],
+    },
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "maxItems": 3}}, "required": ["tags"]},
+    {
+        "type": "object",
+        "properties": {
+            "person": {"type": "object", "properties": {"first": NAME, "last": NAME}, "required": ["first"]}
+        },
+        "required": ["person"],
+    },
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]},
+    {
+        "type": "object",
+        "properties": {
+            "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
+        },
+        "required": ["colors"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "x": DEGREES,
+            "y": DEGREES,
+        },
+        "required": ["x", "y"],
+    },
+    {
+        "type": "object",
+        "properties": {"title": NAME, "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
+        "required": ["title", "year"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"unit": {"enum": ["C", "F"]}, "value": INT},
+        "required": ["unit", "value"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {"type": "object", "properties": {"id": INT}, "required": ["id"]},
+            }
+        },  # fmt: skip
+        "required": ["items"],
+    },
+    {"type": "object", "properties": {"capital": NAME}, "required": ["capital"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"a": INT, "b": INT, "sum": INT},
+        "required": ["a", "b", "sum"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {
+            "lang": {"enum": ["python", "rust", "c"]},
+            "stars": {"type": "integer", "minimum": 0, "maximum": 5},
+        },
+        "required": ["lang"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"price": {"type": "number", "exclusiveMinimum": 0, "maximum": 1000, "multipleOf": 0.01}},
+        "required": ["price"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"meta": {"type": "object", "properties": {"v": INT}}},
+        "required": ["meta"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"words": {"type": "array", "items": NAME, "minItems": 2, "maxItems": 2}},
+        "required": ["words"],
+    },  # fmt: skip
+    {
+        "type": "object",
+        "properties": {"done": {"type": "boolean"}, "step": {"type": "integer", "minimum": 0, "maximum": 100}},
+        "required": ["done", "step"],
+    },  # fmt: skip
+]
+QUESTION = "Tell me about Paris as JSON."
+
+
+def strict(schema):
+    """`schema` with no properties beyond those named, at every level: what OpenAI's strict mode
+    asks of a schema (a 135M model given room for any key goes on inventing them)."""
+    if isinstance(schema, dict):
+        schema = {key: strict(value) for key, value in schema.items()}
+        return {"additionalProperties": False, **schema} if "properties" in schema else schema
+    return [strict(value) for value in schema] if isinstance(schema, list) else schema
+
+
+SCHEMAS = [strict(schema) for schema in SCHEMAS]
+
+
+class LLGuidance:
+    """transformers' logits processor over llguidance's own matcher: the reference's mask."""
+
+    def __init__(self, grammar: staticrt.Grammar) -> None:
+        import llguidance.numpy as lln
+
+        self.matcher, self.lln = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar), lln
+        self.mask, self.started = lln.allocate_token_bitmask(1, grammar.vocab_size), False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.started:
+            assert self.matcher.consume_token(int(input_ids[0, -1]))
+        self.started = True
+        self.lln.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        allowed = np.unpackbits(self.mask.view(np.uint8), bitorder="little")[: scores.shape[1]]
+        return scores.masked_fill(torch.from_numpy(allowed == 0)[None], float("-inf"))
+
+
+def test_greedy_tokens_equal_transformers_with_the_same_librarys_mask(smollm2, hf_smollm2):
+    from transformers import LogitsProcessorList
+
+    model = staticrt.load_model(smollm2)
+    eos = list(model.config.eos_token_ids)
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    gen = staticrt.Generator(model, max_batch_size=3, max_cache_len=256)
+    grammars = [staticrt.json_schema_grammar(model, schema) for schema in SCHEMAS[:3]]
+    ours = [gen.generate([prompt], 60, grammar=g, stop_token_ids=eos)[0] for g in grammars]
+    ids = torch.tensor([prompt])
+    for grammar, tokens, schema in zip(grammars, ours, SCHEMAS, strict=False):
+        processors = LogitsProcessorList([LLGuidance(grammar)])
+        out = hf_smollm2[0].generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False,
+            logits_processor=processors, eos_token_id=eos, pad_token_id=0,
+        )  # fmt: skip
+        assert tokens == out[0, len(prompt) :].tolist()
+        assert tokens[-1] in eos
+        jsonschema.validate(json.loads(model.tokenizer.decode(tokens)), schema)
+    free = gen.generate([prompt], 20, stop_token_ids=eos)[0]
+    with pytest.raises(json.JSONDecodeError):  # what the schema changed: unconstrained, it answers in prose
+        json.loads(model.tokenizer.decode(free))
+
+
+def test_response_format_through_the_openai_client_always_parses_and_validates(smollm2):
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    model = staticrt.load_model(smollm2)
+    backend = staticrt.Generator(model, max_batch_size=8, max_cache_len=512).backend
+    app, _ = serve_backend(backend, model.tokenizer, name="smollm2")
+    messages = [{"role": "user", "content": QUESTION}]
+    with running(app) as url:
+        api = client(url)
+
+        def ask(i: int) -> tuple[dict, str, str | None]:
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
+            sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=i)
+            reply = api.chat.completions.create(
+                model="smollm2", messages=messages, max_tokens=200, response_format=fmt, **sampling
+            )
+            return SCHEMAS[i], reply.choices[0].message.content, reply.choices[0].finish_reason
+
+        with ThreadPoolExecutor(8) as pool:  # the server's 8 rows decode them side by side
+            replies = list(pool.map(ask, range(len(SCHEMAS))))
+        for schema, content, finish_reason in replies:
+            assert finish_reason == "stop", (schema, content)
+            jsonschema.validate(json.loads(content), schema)
+        one_key = [{"role": "user", "content": "Give the capital of France as a JSON object with one key."}]
+        fmt = {"type": "json_object"}
+        streamed = api.chat.completions.create(
+            model="smollm2", messages=one_key, max_tokens=200, response_format=fmt, temperature=0, stream=True
+        )
+        assert json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)) == {
+            "capital": "Paris"
+        }
+        for fmt, message in [
+            (
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+                "the JSON schema does not compile: ",
+            ),  # fmt: skip
+            ({"type": "xml"}, "response_format is {'type': 'xml'}; it is {\"type\": \"text\"}"),
+            ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema is None"),
+        ]:
+            body = {"model": "smollm2", "messages": messages, "response_format": fmt}
+            reply = httpx.post(f"{url}/v1/chat/completions", json=body)
+            assert (reply.status_code, reply.json()["error"]["param"]) == (400, "response_format")
+            assert reply.json()["error"]["message"].startswith(message)
