@@ -170,49 +170,97 @@ def test_greedy_tokens_equal_transformers_with_the_same_librarys_mask(smollm2, h
         json.loads(model.tokenizer.decode(free))
 
 
-def test_response_format_through_the_openai_client_always_parses_and_validates(smollm2):
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """SmolLM2 served on loopback (eager, 8 rows): its URL."""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
-    from serving import client, running
+    from serving import running
 
     from staticrt.serve import serve_backend
 
     model = staticrt.load_model(smollm2)
     backend = staticrt.Generator(model, max_batch_size=8, max_cache_len=512).backend
     app, _ = serve_backend(backend, model.tokenizer, name="smollm2")
-    messages = [{"role": "user", "content": QUESTION}]
     with running(app) as url:
-        api = client(url)
+        yield url
 
-        def ask(i: int) -> tuple[dict, str, str | None]:
-            fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
-            sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=i)
-            reply = api.chat.completions.create(
-                model="smollm2", messages=messages, max_tokens=200, response_format=fmt, **sampling
-            )
-            return SCHEMAS[i], reply.choices[0].message.content, reply.choices[0].finish_reason
 
-        with ThreadPoolExecutor(8) as pool:  # the server's 8 rows decode them side by side
-            replies = list(pool.map(ask, range(len(SCHEMAS))))
-        for schema, content, finish_reason in replies:
-            assert finish_reason == "stop", (schema, content)
-            jsonschema.validate(json.loads(content), schema)
-        one_key = [{"role": "user", "content": "Give the capital of France as a JSON object with one key."}]
-        fmt = {"type": "json_object"}
-        streamed = api.chat.completions.create(
-            model="smollm2", messages=one_key, max_tokens=200, response_format=fmt, temperature=0, stream=True
+def test_response_format_through_the_openai_client_always_parses_and_validates(served):
+    from serving import client
+
+    url = served
+    messages = [{"role": "user", "content": QUESTION}]
+    api = client(url)
+
+    def ask(i: int) -> tuple[dict, str, str | None]:
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
+        sampling = dict(temperature=0) if i % 2 == 0 else dict(temperature=1.0, seed=i)
+        reply = api.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=200, response_format=fmt, **sampling
         )
-        assert json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)) == {
-            "capital": "Paris"
-        }
-        for fmt, message in [
-            (
-                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
-                "the JSON schema does not compile: ",
-            ),  # fmt: skip
-            ({"type": "xml"}, "response_format is {'type': 'xml'}; it is {\"type\": \"text\"}"),
-            ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema is None"),
-        ]:
-            body = {"model": "smollm2", "messages": messages, "response_format": fmt}
-            reply = httpx.post(f"{url}/v1/chat/completions", json=body)
-            assert (reply.status_code, reply.json()["error"]["param"]) == (400, "response_format")
-            assert reply.json()["error"]["message"].startswith(message)
+        return SCHEMAS[i], reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:  # the server's 8 rows decode them side by side
+        replies = list(pool.map(ask, range(len(SCHEMAS))))
+    for schema, content, finish_reason in replies:
+        assert finish_reason == "stop", (schema, content)
+        jsonschema.validate(json.loads(content), schema)
+    one_key = [{"role": "user", "content": "Give the capital of France as a JSON object with one key."}]
+    fmt = {"type": "json_object"}
+    streamed = api.chat.completions.create(
+        model="smollm2", messages=one_key, max_tokens=200, response_format=fmt, temperature=0, stream=True
+    )
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)) == {"capital": "Paris"}
+    for fmt, message in [
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+            "the JSON schema does not compile: ",
+        ),  # fmt: skip
+        ({"type": "xml"}, "response_format is {'type': 'xml'}; it is {\"type\": \"text\"}"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema is None"),
+    ]:
+        body = {"model": "smollm2", "messages": messages, "response_format": fmt}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert (reply.status_code, reply.json()["error"]["param"]) == (400, "response_format")
+        assert reply.json()["error"]["message"].startswith(message)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": strict({"type": "object", "properties": {"city": NAME}, "required": ["city"]}),
+    },
+}
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": strict(ZONE)}}
+
+
+def test_tool_choice_required_or_named_always_calls_a_given_tool(served):
+    """SmolLM2's template takes no tools (tools.py writes them into the system message), and asked
+    about the weather it answers in prose under "auto"; "required" and a named function make the
+    reply one call in Hermes' tags whose arguments validate, whole and streamed."""
+    from serving import client
+
+    api = client(served)
+    ask = dict(
+        model="smollm2", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=80, temperature=0
+    )
+    free = api.chat.completions.create(**ask, tools=[WEATHER, CLOCK], tool_choice="auto")
+    assert free.choices[0].finish_reason == "stop" and not free.choices[0].message.tool_calls
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in [("required", {"get_weather", "get_time"}), (named, {"get_time"})]:
+        reply = api.chat.completions.create(**ask, tools=[WEATHER, CLOCK], tool_choice=choice)
+        assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name in names
+        tool = WEATHER if call.function.name == "get_weather" else CLOCK
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        chunks = list(api.chat.completions.create(**ask, tools=[WEATHER, CLOCK], tool_choice=choice, stream=True))
+        streamed = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert streamed[0].function.name == call.function.name
+        assert "".join(d.function.arguments or "" for d in streamed) == call.function.arguments
+    body = {**ask, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}
+    reply = httpx.post(f"{served}/v1/chat/completions", json=body)
+    assert (reply.status_code, reply.json()["error"]["param"]) == (400, "tool_choice")

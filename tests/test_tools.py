@@ -248,8 +248,6 @@ def test_a_template_without_tools_gets_them_in_the_system_message():
 @pytest.mark.parametrize(
     "fields,param,message",
     [
-        ({"tool_choice": "required"}, "tool_choice", "forces a call, which needs constrained decoding"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "forces a call"),
         (
             {"tool_choice": {"type": "function", "function": {"name": "mail"}}},
             "tool_choice",

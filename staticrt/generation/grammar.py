@@ -44,24 +44,41 @@ def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int
 class Grammar:
     """A compiled JSON schema for one tokenizer: each row that follows it takes its own `matcher`."""
 
-    def __init__(self, tokenizer: Any, schema: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        schema: Any,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        frame: tuple[str, str] = ("", ""),
+    ) -> None:
         """`tokenizer`: staticrt's (tokenizer.json in `tokenizer.backend`); `schema`: a JSON schema
-        (a dict; {"type": "object"} for any JSON object). A schema llguidance cannot compile is a
-        GenerationError that quotes its reason."""
+        (a dict; {"type": "object"} for any JSON object), its document written between `frame`'s
+        two texts (a tool call's tags). A schema llguidance cannot compile is a GenerationError
+        that quotes its reason."""
         if tokenizer is None:
             raise GenerationError("a JSON schema needs the model's tokenizer.json, which this model has none of")
         if not eos_token_ids:
             raise GenerationError(
                 "a JSON schema needs an end-of-sequence token to end its document; the model has none"
             )
-        self._build(tokenizer.backend.to_str(), schema, vocab_size, tuple(eos_token_ids))
+        self._build(tokenizer.backend.to_str(), schema, vocab_size, tuple(eos_token_ids), tuple(frame))
 
-    def _build(self, tokenizer_json: str, schema: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def _build(
+        self, tokenizer_json: str, schema: Any, vocab: int, eos_token_ids: tuple[int, ...], frame: tuple[str, str]
+    ) -> None:
         ll = _llguidance()
-        self.vocab_size, self._source = vocab_size, (tokenizer_json, schema, vocab_size, eos_token_ids)
-        self.tokenizer = _ll_tokenizer(tokenizer_json, vocab_size, eos_token_ids)
+        self.vocab_size, self._source = vocab, (tokenizer_json, schema, vocab, eos_token_ids, frame)
+        self.tokenizer = _ll_tokenizer(tokenizer_json, vocab, eos_token_ids)
         try:
-            self.grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT)
+            if frame == ("", ""):
+                self.grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT)
+            else:  # Lark, the JSON document a rule of it (llguidance's %json), laid out as LAYOUT says
+                framed = {**schema, "x-guidance": LAYOUT} if isinstance(schema, dict) else schema
+                before, after = (json.dumps(text) for text in frame)
+                self.grammar = ll.LLMatcher.grammar_from_lark(
+                    f"start: {before} doc {after}\ndoc: %json {json.dumps(framed)}"
+                )
             error = ll.LLMatcher.validate_grammar(self.grammar, self.tokenizer)
         except (ValueError, TypeError, RuntimeError) as err:
             error = str(err)
@@ -77,9 +94,9 @@ class Grammar:
         return _rebuilt, self._source
 
 
-def _rebuilt(tokenizer_json: str, schema: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Grammar:
+def _rebuilt(*source: Any) -> Grammar:
     grammar = Grammar.__new__(Grammar)
-    grammar._build(tokenizer_json, schema, vocab_size, eos_token_ids)
+    grammar._build(*source)
     return grammar
 
 

@@ -213,6 +213,8 @@ def _parse(raw: bytes, tokenizer: Any, limits: Limits, chat: bool) -> Asked:
     else:
         prompt, tools = completion_prompt(body, tokenizer, limits.vocab_size), None
     one = completion_request(body, prompt, limits, chat, tokenizer)
+    if tools is not None:
+        one = tools.forcing(one, tokenizer, limits.vocab_size, limits.eos_token_ids)
     seed = one.sampling.seed
     seeds = [None if seed is None else seed + i for i in range(n)]
     completions = [dataclasses.replace(one, sampling=dataclasses.replace(one.sampling, seed=s)) for s in seeds]

@@ -53,7 +53,13 @@ TOOL = {
     },
 }
 # "required" and a named function force a call, which needs constrained decoding: refused by name
-TOOLS = {"tools": {"type": "array", "items": TOOL}, "tool_choice": {"enum": ["none", "auto"]}}
+NAMED = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {"function": {"type": "object", "required": ["name"]}},
+}
+CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, NAMED]}  # required or named: a grammar keeps the call
+TOOLS = {"tools": {"type": "array", "items": TOOL}, "tool_choice": CHOICE}
 STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
 

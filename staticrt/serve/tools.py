@@ -4,22 +4,26 @@ The template renders the tools (Qwen2.5/Qwen3, Llama 3.x and SmolLM3's templates
 variable, as transformers' `apply_chat_template(tools=...)` passes it). A template that ignores
 them (SmolLM2's) gets them as Qwen2.5's template writes them, in the system message, with calls and
 results in Hermes' tags, the form its function-calling data used. The model then calls as it
-chooses: `tool_choice` "auto" and "none" are served; "required" and a named function need
-constrained decoding, which the server does not have yet, and are refused by name.
+chooses under `tool_choice` "auto"; "required" and a named function make it call (`Tools.forcing`:
+the call's form and arguments kept by a grammar).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from ..errors import StaticrtError
+from ..errors import GenerationError, StaticrtError
+from ..generation.grammar import Grammar
+from ..generation.logit_bias import BiasRule
 from ..text.chat_template import render_chat
 from ..text.tool_calls import CLOSE, OPEN, ToolCall, parse_tool_calls
 from .bad_request import BadRequest, shown
+from .job import Completion
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's limit on a function's name
 
@@ -31,6 +35,38 @@ class Tools:
     specs: tuple[dict, ...]
     names: frozenset[str]
     parallel: bool  # parallel_tool_calls: False keeps a reply's first call only
+    forced: frozenset[str] = frozenset()  # tool_choice "required" (every name) or a named function
+
+    def forcing(self, request: Completion, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Completion:
+        """`request`, made to call one of the `forced` tools: its reply is one call in Hermes' tags,
+        the name one of them and the arguments a document of that tool's parameters (a grammar,
+        generation/grammar.py, in the row's logit bias), whatever form the model would choose."""
+        if not self.forced:
+            return request
+        rule = request.sampling.rule or BiasRule()
+        if rule.grammar is not None:
+            raise BadRequest(
+                "tool_choice forces a call and response_format a document; send one of them", "tool_choice"
+            )
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": spec["function"]["name"]},
+                    "arguments": spec["function"].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for spec in self.specs
+            if spec["function"]["name"] in self.forced
+        ]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        try:
+            grammar = Grammar(tokenizer, schema, vocab_size, eos_token_ids, frame=(f"{OPEN}\n", f"\n{CLOSE}"))
+        except GenerationError as err:  # a tool's parameters that are no schema llguidance compiles
+            raise BadRequest(f"tool_choice: {err}", "tools") from None
+        return replace(request, sampling=replace(request.sampling, rule=replace(rule, grammar=grammar)))
 
     def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole answer's content and calls (`parse_tool_calls`)."""
@@ -72,11 +108,7 @@ def check_tools(body: dict) -> Tools | None:
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
-    raise BadRequest(
-        f"tool_choice {shown(choice)} forces a call, which needs constrained decoding that staticrt serve does "
-        'not have yet; send "auto" (the model calls when it chooses: check finish_reason "tool_calls")',
-        "tool_choice",
-    )
+    return Tools(tuple(tools), frozenset(names), parallel, frozenset(names) if named is None else frozenset([named]))
 
 
 def _check_tool(i: int, tool: Any) -> str:
