@@ -264,3 +264,17 @@ def test_tool_choice_required_or_named_always_calls_a_given_tool(served):
     body = {**ask, "tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}
     reply = httpx.post(f"{served}/v1/chat/completions", json=body)
     assert (reply.status_code, reply.json()["error"]["param"]) == (400, "tool_choice")
+
+
+def test_the_serve_bench_times_the_mask_a_token_a_row(smollm2, tmp_path):
+    """`bench-serve --structured`'s figure: llguidance's mask written into a bias row, then the
+    token taken, over the tokens of JSON documents; a tokenizer llguidance cannot read is named."""
+    from staticrt.bench.serve_bench import checkpoint_folder, mask_cost
+    from staticrt.text.tokenizer import load_tokenizer
+
+    model = staticrt.load_model(smollm2)
+    cost = mask_cost(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids, repeats=1)
+    assert cost["mask_tokens_timed"] == 78 and 0 < cost["mask_us_per_token_per_row"] < 100_000
+    wordpiece = load_tokenizer(checkpoint_folder("tiny-llama", tmp_path))  # the tiny presets' tokenizer
+    with pytest.raises(staticrt.GenerationError, match="^llguidance cannot read this model's tokenizer.json"):
+        staticrt.Grammar(wordpiece, {"type": "object"}, 512, [0])

@@ -18,8 +18,8 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class ServeBenchRequest:
     system_len: int = 200  # the chat workload's shared system prompt, in tokens
     speculative: str | None = None  # also staticrt serve --speculative (the load's requests are greedy)
     replicas: int | None = None  # also staticrt serve --replicas N (Ray Serve), each replica the same rows
+    structured: bool = False  # also staticrt serve with every request asking for a JSON object
 
     @property
     def max_cache_len(self) -> int:
@@ -188,6 +189,16 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
             command = [*staticrt_command(folder, request), "--replicas", str(request.replicas)]
             command += ["--replica-cpus", str(request.threads or 1)]
             results["staticrt_ray"] = measure_server(command, "bench", request, load)
+        if request.structured:
+            on_stage(f"staticrt serve, every request asking for a JSON object ({len(load)} requests)")
+            json_load = [replace(r, response_format={"type": "json_object"}) for r in load]
+            results["staticrt_json"] = measure_server(staticrt_command(folder, request), "bench", request, json_load)
+            from ..loading.checkpoint import load_config
+
+            structured = mask_cost(tokenizer, vocab, load_config(folder).eos_token_ids or (0,)) | {
+                "throughput_json_over_plain": results["staticrt_json"]["output_tokens_per_s"]
+                / results["staticrt"]["output_tokens_per_s"]
+            }
         if request.transformers:
             on_stage(f"transformers serve --continuous-batching ({len(load)} requests)")
             try:
@@ -206,6 +217,7 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
     }
     settings = {**request.__dict__, "max_cache_len": request.max_cache_len}
     report = {"settings": settings, "machine": machine(), "results": results, "throughput_ratios": ratios}
+    report |= {"structured": structured} if request.structured else {}
     return {**report, **speculative_ratios(results), **ray_ratios(results)}
 
 
@@ -234,3 +246,32 @@ def ray_ratios(results: dict[str, Any]) -> dict[str, Any]:
             "ttft_p50_ms_added_by_ray": on["ttft"]["p50_ms"] - off["ttft"]["p50_ms"],
         }
     }
+
+
+def mask_cost(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], repeats: int = 5) -> dict[str, float]:
+    """llguidance's time a token a row, in this process: the allowed-token mask computed and
+    written into a bias row (what the server does before each step of a row under a schema),
+    then the token consumed, over the tokens of a few JSON documents. The documents are laid out
+    as the grammar lays them out (json.dumps)."""
+    import json
+
+    import numpy as np
+
+    from ..generation.grammar import Grammar
+
+    documents = [
+        {"city": "Paris", "country": "France", "population": 2102650, "tags": ["capital", "river", "museums"]},
+        {"name": "Ada Lovelace", "born": 1815, "fields": {"math": True, "poetry": False}, "notes": "first program"},
+    ]
+    grammar = Grammar(tokenizer, {"type": "object"}, vocab_size, eos_token_ids)
+    row = np.zeros(vocab_size, dtype=np.float32)
+    spent, count = 0.0, 0
+    for _ in range(repeats):
+        for document in documents:
+            matcher = grammar.matcher()
+            for token in tokenizer.encode(json.dumps(document), add_special_tokens=False):
+                start = time.perf_counter()
+                matcher.forbid(row)
+                matcher.consume(token)
+                spent, count = spent + time.perf_counter() - start, count + 1
+    return {"mask_us_per_token_per_row": 1e6 * spent / count, "mask_tokens_timed": count}

@@ -33,6 +33,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 class LoadRequest:
     prompt: str
     max_tokens: int
+    response_format: dict | None = None  # OpenAI's, sent as it is
 
 
 @dataclass
@@ -106,6 +107,8 @@ async def _one(client: Any, url: str, model: str, request: LoadRequest) -> Recor
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if request.response_format is not None:
+        body["response_format"] = request.response_format
     start = last = time.perf_counter()
     chunks = 0
     try:

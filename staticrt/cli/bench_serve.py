@@ -38,6 +38,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         turns=args.turns,
         system_len=args.system_len,
         speculative=args.speculative,
+        structured=args.structured,
         replicas=args.replicas,
     )
     if request.workload == "soak":
@@ -105,7 +106,8 @@ def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
             console.print(f"[red]{name}: {error}[/]", soft_wrap=True)
     for key, value in report.get("throughput_ratios", {}).items():
         console.print(f"throughput {key}: {value:.2f}x")
-    for key, value in {**report.get("reuse_ratios", {}), **report.get("speculative_ratios", {})}.items():
+    extra = {**report.get("reuse_ratios", {}), **report.get("speculative_ratios", {}), **report.get("structured", {})}
+    for key, value in extra.items():
         console.print(f"{key.replace('_', ' ')}: {value:.2f}x" if value is not None else f"{key}: -")
     ray = report.get("ray_ratios")
     if ray:

@@ -228,3 +228,9 @@ def _add_bench_workload(bench: Any) -> None:
         default=None,
         help="also measure staticrt serve --replicas N on a local Ray instance (the ray extra): what Ray adds",
     )
+    bench.add_argument(
+        "--structured",
+        action="store_true",
+        help="also measure staticrt serve with every request asking for a JSON object (response_format "
+        "json_object): the throughput it keeps, and llguidance's mask time a token a row",
+    )

@@ -69,7 +69,10 @@ class Grammar:
     ) -> None:
         ll = _llguidance()
         self.vocab_size, self._source = vocab, (tokenizer_json, schema, vocab, eos_token_ids, frame)
-        self.tokenizer = _ll_tokenizer(tokenizer_json, vocab, eos_token_ids)
+        try:
+            self.tokenizer = _ll_tokenizer(tokenizer_json, vocab, eos_token_ids)
+        except ValueError as err:  # a tokenizer it cannot take apart into bytes (WordPiece's)
+            raise GenerationError(f"llguidance cannot read this model's tokenizer.json ({err})") from None
         try:
             if frame == ("", ""):
                 self.grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT)
@@ -112,6 +115,10 @@ class RowMatcher:
         self.bitmask = ll.numpy.allocate_token_bitmask(1, grammar.vocab_size)  # [1, ceil(V / 32)] int32
 
     def consume(self, token: int) -> None:
+        """Take `token`. Past a whole document (stopped: only end-of-sequence tokens allowed) the
+        row's further tokens are those ends, which a generation without them as stop ids repeats."""
+        if self.matcher.is_stopped():
+            return
         if not self.matcher.consume_token(token):
             raise GenerationError(f"token {token} does not continue the JSON schema: {self.matcher.get_error()}")
 
