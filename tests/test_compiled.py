@@ -95,9 +95,9 @@ def test_guards_are_checked_once_a_generation_and_a_changed_model_recompiles(mon
         code = code_past_guards(graph)
         assert code is not None, "torch's cache-entry API changed: see staticrt/backends/guards.py"
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             direct_calls.append(code.__name__)
-            return code(*args)
+            return code(*args, **kwargs)
 
         return counted
 
