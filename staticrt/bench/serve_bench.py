@@ -190,8 +190,8 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
             command += ["--replica-cpus", str(request.threads or 1)]
             results["staticrt_ray"] = measure_server(command, "bench", request, load)
         if request.structured:
-            on_stage(f"staticrt serve, every request asking for a JSON object ({len(load)} requests)")
-            json_load = [replace(r, response_format={"type": "json_object"}) for r in load]
+            on_stage(f"staticrt serve, every request on a JSON schema ({len(load)} requests)")
+            json_load = [replace(r, response_format=digits_format(r.max_tokens)) for r in load]
             results["staticrt_json"] = measure_server(staticrt_command(folder, request), "bench", request, json_load)
             from ..loading.checkpoint import load_config
 
@@ -246,6 +246,14 @@ def ray_ratios(results: dict[str, Any]) -> dict[str, Any]:
             "ttft_p50_ms_added_by_ray": on["ttft"]["p50_ms"] - off["ttft"]["p50_ms"],
         }
     }
+
+
+def digits_format(max_tokens: int) -> dict[str, Any]:
+    """A json_schema response_format that keeps a reply going to its max_tokens: an array of at
+    least that many digits, so each request streams as many tokens as its plain twin, and every
+    token of it comes through the mask."""
+    digits = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": max_tokens}
+    return {"type": "json_schema", "json_schema": {"name": "digits", "schema": digits}}
 
 
 def mask_cost(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], repeats: int = 5) -> dict[str, float]:

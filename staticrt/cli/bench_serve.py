@@ -106,9 +106,15 @@ def _show(request: ServeBenchRequest, report: dict[str, Any], fmt: str) -> None:
             console.print(f"[red]{name}: {error}[/]", soft_wrap=True)
     for key, value in report.get("throughput_ratios", {}).items():
         console.print(f"throughput {key}: {value:.2f}x")
-    extra = {**report.get("reuse_ratios", {}), **report.get("speculative_ratios", {}), **report.get("structured", {})}
-    for key, value in extra.items():
+    for key, value in {**report.get("reuse_ratios", {}), **report.get("speculative_ratios", {})}.items():
         console.print(f"{key.replace('_', ' ')}: {value:.2f}x" if value is not None else f"{key}: -")
+    structured = report.get("structured")
+    if structured:
+        console.print(
+            f"on a JSON schema: throughput {structured['throughput_json_over_plain']:.2f}x the plain server's; "
+            f"llguidance's mask {structured['mask_us_per_token_per_row']:.1f} µs a token a row "
+            f"({structured['mask_tokens_timed']} tokens timed)"
+        )
     ray = report.get("ray_ratios")
     if ray:
         console.print(

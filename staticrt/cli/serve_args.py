@@ -231,6 +231,7 @@ def _add_bench_workload(bench: Any) -> None:
     bench.add_argument(
         "--structured",
         action="store_true",
-        help="also measure staticrt serve with every request asking for a JSON object (response_format "
-        "json_object): the throughput it keeps, and llguidance's mask time a token a row",
+        help="also measure staticrt serve with every request on a JSON schema (an array of at least "
+        "max_tokens digits: as many tokens as without): the throughput it keeps, and llguidance's mask time "
+        "a token a row",
     )

@@ -62,7 +62,7 @@ class Grammar:
             raise GenerationError(
                 "a JSON schema needs an end-of-sequence token to end its document; the model has none"
             )
-        self._build(tokenizer.backend.to_str(), schema, vocab_size, tuple(eos_token_ids), tuple(frame))
+        self._build(tokenizer.json, schema, vocab_size, tuple(eos_token_ids), tuple(frame))
 
     def _build(
         self, tokenizer_json: str, schema: Any, vocab: int, eos_token_ids: tuple[int, ...], frame: tuple[str, str]
