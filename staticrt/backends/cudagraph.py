@@ -36,12 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..generation.loop import SamplingParams, per_row
+from ..generation.loop import SamplingParams
 from .compiled import CompiledBackend
 from .eager import EagerBackend
 from .graph_capture import (
     CapturedGraph,
     HostEvent,
+    load_inputs,
     new_graph,
     replay_gpu_s,
     same_inputs,
@@ -167,7 +168,7 @@ class CudaGraphBackend(CompiledBackend):
         if key not in self.captured:
             self.captured[key] = self._capture(key, input_ids, write_index, num_new, sampling, uniforms)
         entry = self.captured[key]
-        self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
+        load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
         entry.graph.replay()
         return entry.output
 
@@ -211,35 +212,6 @@ class CudaGraphBackend(CompiledBackend):
             decode.expected, self.ahead = None, None  # the replays left other inputs in its buffers
         return report
 
-    def _load_inputs(
-        self,
-        entry: CapturedGraph,
-        input_ids: np.ndarray,
-        write_index: np.ndarray,
-        num_new: np.ndarray,
-        sampling: SamplingParams,
-        uniforms: np.ndarray | None,
-    ) -> None:
-        """Copy host inputs into the graph's static buffers, skipping what the buffers already hold."""
-        buffers = entry.inputs
-        if entry.expected is None or not same_inputs(entry.expected, input_ids, write_index):
-            buffers["input_ids"].copy_(torch.from_numpy(input_ids), non_blocking=True)
-            buffers["write_index"].copy_(torch.from_numpy(write_index), non_blocking=True)
-            buffers["num_new"].copy_(torch.from_numpy(num_new), non_blocking=True)
-        if uniforms is not None:
-            buffers["uniform"].copy_(torch.from_numpy(uniforms), non_blocking=True)
-            batch = len(uniforms)
-            values = {
-                "temperature": per_row(sampling.temperature, batch, np.float32),
-                "top_k": per_row(sampling.top_k, batch, np.int64),
-                "top_p": per_row(sampling.top_p, batch, np.float32),
-            }
-            params = tuple(tuple(v.tolist()) for v in values.values())
-            if entry.params != params:
-                for name, value in values.items():
-                    buffers[name].copy_(torch.from_numpy(value))
-                entry.params = params
-
     def _capture(
         self,
         key: tuple[int, str, bool],
@@ -279,7 +251,7 @@ class CudaGraphBackend(CompiledBackend):
 
         def load() -> None:
             entry.expected, entry.params = None, None
-            self._load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
+            load_inputs(entry, input_ids, write_index, num_new, sampling, uniforms)
 
         warm_and_capture(entry, run, self.cache, self.pool, dev, load)
         return entry
