@@ -129,7 +129,7 @@ class CompiledBackend(EagerBackend):
         """Always a bias `[B, V]`, zeros where the step has none: one graph serves steps with a
         logit bias and steps without (an add of zeros leaves every logit, so every token, as it was)."""
         if bias is not None:
-            return torch.from_numpy(bias).to(self.device)
+            return super().bias_input(bias, batch)
         if self._no_bias is None or self._no_bias.shape[0] != batch:
             self._no_bias = torch.zeros(batch, self.vocab_size, device=self.device)
         return self._no_bias
