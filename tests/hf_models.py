@@ -123,11 +123,11 @@ def new_family_config(tf, family: str):
 
 # Recurrent state beside the KV cache (issue 65): LFM2's conv layers around an attention layer,
 # its MLP width derived from block_* fields (128 * 2/3 = 85, * 1.5 = 127, rounded up to 32: 128);
-# Mamba2 layers alone (8 heads of 16, a state of 16 in 2 groups), and Granite 4.0-H's Mamba2
+# Mamba2 layers alone (8 heads of 16, a state of 16 in 2 groups), and Granite 4.0-H's two Mamba2
 # layers around an attention layer without rotary, with 4 experts beside a shared MLP and
 # Granite's multipliers; both scan in chunks of 16 positions, so prompts span several. Qwen3.5:
 # three gated DeltaNet layers (2 key heads, 4 value heads) and gated attention, chunks of 64.
-# Falcon-H1: a Mamba2 (8 heads of 16, mamba_d_ssm 128, 2 groups) beside the attention in each of 3
+# Falcon-H1: a Mamba2 (8 heads of 16, mamba_d_ssm 128, 2 groups) beside the attention in each of 2
 # layers, every µP multiplier away from 1, the Mamba2 output normed before its gate (the config's
 # default); "falcon_h1-ungated-norm" is the same without that norm (mamba_rms_norm false).
 RECURRENT_FAMILIES = ("lfm2", "mamba2", "granitemoehybrid", "falcon_h1", "falcon_h1-ungated-norm", "qwen3_5_text")
@@ -149,8 +149,8 @@ def recurrent_config(tf, family: str):
         )
     if family == "granitemoehybrid":
         return tf.GraniteMoeHybridConfig(
-            **{**COMMON, "intermediate_size": 32, "num_hidden_layers": 4},
-            layer_types=["mamba", "attention", "mamba", "mamba"],
+            **{**COMMON, "intermediate_size": 32, "num_hidden_layers": 3},
+            layer_types=["mamba", "attention", "mamba"],
             mamba_n_heads=8,
             mamba_d_head=16,
             mamba_d_state=16,
@@ -166,7 +166,7 @@ def recurrent_config(tf, family: str):
         )
     if family.startswith("falcon_h1"):
         return tf.FalconH1Config(
-            **{**COMMON, "num_hidden_layers": 3},
+            **{**COMMON, "num_hidden_layers": 2},
             mamba_d_ssm=128,
             mamba_n_heads=8,
             mamba_d_state=16,

@@ -1,7 +1,7 @@
 """Mamba2 layers (issue 65): a convolution's inputs and a recurrent state `[B, H, D, N]` kept in the
 cache (caches/recurrent.py), on tiny checkpoints transformers saved from its own `Mamba2Config`
 (Mamba2 layers alone), `GraniteMoeHybridConfig` (Granite 4.0-H: Mamba2, attention without rotary,
-Mamba2, Mamba2; experts beside a shared MLP) and `FalconH1Config` (a Mamba2 beside the attention in
+Mamba2; experts beside a shared MLP) and `FalconH1Config` (a Mamba2 beside the attention in
 each layer, µP multipliers). All scan in chunks of 16 positions, so the 70-token prompt spans
 five. Tokens and logits equal transformers' on eager, compiled, cudagraph's host side, AOTInductor
 and ONNX, batch 4 and 1, 200 new tokens (logits, in one step, two and a token at a time:
@@ -35,8 +35,8 @@ OPTIONS = dict(max_cache_len=288, prefill_buckets=(16, 128))
 def models(hf_checkpoints):
     loaded = {family: staticrt.load_model(hf_checkpoints[family][0]) for family in FAMILIES}
     assert loaded["mamba2"].config.layer_types == ("mamba", "mamba")
-    assert loaded["granitemoehybrid"].config.layer_types == ("mamba", "full_attention", "mamba", "mamba")
-    assert loaded["falcon_h1"].config.layer_types == ("mamba", "full_attention") * 3  # two cache layers a layer
+    assert loaded["granitemoehybrid"].config.layer_types == ("mamba", "full_attention", "mamba")
+    assert loaded["falcon_h1"].config.layer_types == ("mamba", "full_attention") * 2  # two cache layers a layer
     return loaded
 
 
