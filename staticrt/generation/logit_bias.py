@@ -61,9 +61,10 @@ class BiasRule:
             pairs.append((token, bias))
         penalties = []
         for name in ("presence_penalty", "frequency_penalty"):
-            value = as_real(getattr(self, name), name)
+            given = getattr(self, name)
+            value = as_real(given, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise GenerationError(f"{name} is {value}; it must be in [-2, 2]")
+                raise GenerationError(f"{name} is {given}; it must be in [-2, 2]")  # as the caller wrote it
             penalties.append(value)
         rule = BiasRule(tuple(dict(pairs).items()), *penalties, self.grammar)  # a token named twice: its last bias
         return rule if rule.logit_bias or rule.follows_tokens else None

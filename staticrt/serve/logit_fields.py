@@ -63,13 +63,12 @@ def bias_fields(body: dict, vocab_size: int, grammar: Grammar | None = None) -> 
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise BadRequest(f"{name} is {shown(value)}; it must be a number in [-2, 2]", name)
         penalties.append(0.0 if value is None else value)
-    for name, value in zip(PENALTIES, penalties, strict=True):
-        if not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise BadRequest(f"{name} is {value}; it must be in [-2, 2]", name)
     try:
         return BiasRule(tuple(pairs), *penalties, grammar).checked(vocab_size)
-    except GenerationError as err:  # an id outside the vocabulary, a bias outside [-100, 100]
-        raise BadRequest(str(err), "logit_bias") from None
+    except GenerationError as err:
+        # a penalty outside [-2, 2], an id outside the vocabulary, a bias outside [-100, 100]: named by its field
+        param = next((name for name in PENALTIES if str(err).startswith(name)), "logit_bias")
+        raise BadRequest(str(err), param) from None
 
 
 def bias_schema(vocab_size: int) -> dict[str, Any]:
