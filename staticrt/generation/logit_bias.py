@@ -80,7 +80,7 @@ def bias_rule(
     if grammar is not None and not isinstance(grammar, Grammar):
         raise GenerationError(f"grammar is a {type(grammar).__name__}; pass a staticrt.Grammar")
     rule = BiasRule(tuple((logit_bias or {}).items()), presence_penalty, frequency_penalty, grammar)
-    return rule if rule.logit_bias or presence_penalty or frequency_penalty or grammar else None
+    return rule if rule.logit_bias or rule.follows_tokens else None
 
 
 class RowBias:

@@ -52,13 +52,13 @@ TOOL = {
         },
     },
 }
-# "required" and a named function force a call, which needs constrained decoding: refused by name
+# "required" and a named function force a call: a grammar keeps its form (tools.py, `Tools.forcing`)
 NAMED = {
     "type": "object",
     "required": ["type", "function"],
     "properties": {"function": {"type": "object", "required": ["name"]}},
 }
-CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, NAMED]}  # required or named: a grammar keeps the call
+CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, NAMED]}
 TOOLS = {"tools": {"type": "array", "items": TOOL}, "tool_choice": CHOICE}
 STOP = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
 
