@@ -54,12 +54,18 @@ def weight_bytes_per_step(model: Decoder, batch_size: int) -> int:
 def graph_weight_bytes(path: Path, batch_size: int) -> int:
     """Bytes of weights one step of the ONNX graph at `path` reads: every initializer once (as
     stored: packed int4 / int8 with their scales and zero points when quantized), but of a table
-    only gathered from (the embedding of an untied model) only the looked-up rows."""
+    only gathered from (the embedding of an untied model, its int8 codes and their scales in a
+    quantized graph: exporters/onnx_lookup.py) only the looked-up rows."""
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
-    gathered = {node.input[0] for node in graph.node if node.op_type == "Gather"}
-    elsewhere = {name for node in graph.node if node.op_type != "Gather" for name in node.input}
+    made_by = {out: node for node in graph.node for out in node.output}
+    lookups = [node for node in graph.node if node.op_type in ("Gather", "GatherBlockQuantized")]
+    # a quantized lookup's scales come through a Reshape of their initializer
+    scales = [made_by[node.input[2]] for node in lookups if node.op_type == "GatherBlockQuantized"]
+    gathered = {node.input[0] for node in [*lookups, *scales]}
+    rows = {id(node) for node in [*lookups, *scales]}
+    elsewhere = {name for node in graph.node if id(node) not in rows for name in node.input}
     total = 0
     for init in graph.initializer:
         itemsize = onnx.helper.tensor_dtype_to_np_dtype(init.data_type).itemsize

@@ -268,9 +268,9 @@ def write_onnx(
     timed("check the graph (onnx.checker, full_check)", lambda: onnx.checker.check_model(str(path), full_check=True))
     quantized = None
     if quantize is not None:
-        from .onnx_quantize import quantize_graph
+        from .onnx_quantize import EMBEDDING, quantize_graph
 
-        head = "model.embed_tokens.weight" if model.lm_head is None else "model.lm_head.weight"
+        head = EMBEDDING if model.lm_head is None else "model.lm_head.weight"
         quantized = timed(
             f"quantize the weights to {quantize.layout} (ONNX Runtime's MatMulNBits)",
             lambda: quantize_graph(path, quantize, head),
