@@ -14,7 +14,9 @@ Greedy decode runs one step ahead (`run_ahead`): a step launches the next replay
 for its own ids, so the GPU never idles while the host reads ids, checks stops and calls back. The
 step ahead is fed the ids the loop feeds next anyway; where the loop asks for something else (a
 stop, a verify or prefill step) its one column a row lies past what the row holds, which a linear
-cache never reads: hence greedy decode on caches without rotating layers only.
+cache never reads: hence greedy decode on caches without rotating layers only. A step with a logit
+bias (logit_bias, penalties, a grammar's mask: a static `[B, V]` input of every graph, zeros
+otherwise) does not run ahead: its next bias follows the token it chooses.
 
 A graph is captured the first time its shape is asked for, mid-generation: the compiled step is
 warmed up on a side stream (which compiles it) and captured, and because warm-up runs the step
@@ -123,7 +125,7 @@ class CudaGraphBackend(CompiledBackend):
         self.host_ids.copy_(output, non_blocking=True)
         self.copied.record()
         self.decodes = streak
-        launched = streak > 1 and self._may_run_ahead(write_index)
+        launched = streak > 1 and sampling.bias is None and self._may_run_ahead(write_index)
         if launched:
             decode.graph.replay()  # fed from its own buffers: this step's ids, at write_index + 1
         self.copied.synchronize()
@@ -135,12 +137,6 @@ class CudaGraphBackend(CompiledBackend):
             else:
                 self.captured[1, choice, False].expected = fed
         return next_ids
-
-    @property
-    def takes_bias(self) -> bool:
-        """Whether a step may add a logit bias (`run_step`'s `bias`): not in captured graphs yet,
-        whose run-ahead decode would choose a token before the host could bias it."""
-        return not self.captures
 
     def _may_run_ahead(self, write_index: np.ndarray) -> bool:
         """Whether greedy decode may launch the step after the one at `write_index [B]`: its
@@ -233,16 +229,18 @@ class CudaGraphBackend(CompiledBackend):
             "top_p": torch.ones(batch, dtype=torch.float32, device=dev),
             "uniform": uniform_input(choice, batch, seq_len, dev),
         }
+        bias = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=dev)  # a step's logit bias, or zeros
         fn, k = self.step_function(*key), choice_candidates(choice)
         if k:  # a beam step's candidates: log-probabilities and ids, [B, k] each
             output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
         else:  # a token a row, or after every position of a verify step
             output = torch.zeros((batch, seq_len) if verifies(choice) else batch, dtype=torch.int64, device=dev)
-        entry = CapturedGraph(new_graph(dev), {n: v for n, v in inputs.items() if v is not None}, output)
+        buffers = {n: v for n, v in {**inputs, "bias": bias}.items() if v is not None}
+        entry = CapturedGraph(new_graph(dev), buffers, output)
         feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
 
         def run() -> None:
-            result = fn(self.model, self.cache, *inputs.values(), k, fresh)
+            result = fn(self.model, self.cache, *inputs.values(), k, fresh, bias)
             for buffer, value in zip(output, result) if isinstance(output, tuple) else [(output, result)]:
                 buffer.copy_(value)
             if feeds_itself:  # feed the next decode step from the device

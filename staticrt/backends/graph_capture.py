@@ -32,6 +32,7 @@ class CapturedGraph:
     output: Any  # on the device: [B] int64 chosen ids, or a beam step's ([B, k] float32, [B, k] int64)
     expected: tuple[np.ndarray, np.ndarray] | None = None  # decode: (ids, write_index) its buffers hold next
     params: tuple[tuple[Any, ...], ...] | None = None  # sampling parameters its buffers hold, a row each
+    biased: bool = False  # whether its `bias` buffer holds a step's logit bias (else zeros)
 
 
 class HostGraph:
@@ -74,8 +75,15 @@ def load_inputs(
     sampling: SamplingParams,
     uniforms: np.ndarray | None,
 ) -> None:
-    """Copy host inputs into the graph's static buffers, skipping what the buffers already hold."""
+    """Copy host inputs into the graph's static buffers, skipping what the buffers already hold.
+    The step's logit bias `[B, V]` is copied every step it has one (it follows the tokens); a step
+    without one finds zeros."""
     buffers = entry.inputs
+    if sampling.bias is not None:
+        buffers["bias"].copy_(torch.from_numpy(sampling.bias), non_blocking=True)
+    elif entry.biased:
+        buffers["bias"].zero_()
+    entry.biased = sampling.bias is not None
     if entry.expected is None or not same_inputs(entry.expected, input_ids, write_index):
         buffers["input_ids"].copy_(torch.from_numpy(input_ids), non_blocking=True)
         buffers["write_index"].copy_(torch.from_numpy(write_index), non_blocking=True)

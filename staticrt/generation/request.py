@@ -66,11 +66,6 @@ def validate_request(
         )
     max_new_tokens = as_int(max_new_tokens, "max_new_tokens", 1)
     sampling = sampling.checked(backend.vocab_size)
-    if sampling.rule is not None and not getattr(backend, "takes_bias", True):
-        raise GenerationError(
-            f"logit_bias, the penalties and response_format are not in {backend.name}'s captured graphs yet; "
-            "run the compiled or eager backend, or an artifact, for them"
-        )
     stops = frozenset(() if stop_token_ids is None else _token_ids(stop_token_ids, "stop_token_ids"))
     if stream is not None and not callable(stream):
         raise GenerationError(f"stream is a {type(stream).__name__}; pass a function (row, token id) or None")
