@@ -45,8 +45,10 @@ def lookup_from_codes(model: Any, table: str, head_weight: str) -> dict[str, Any
     width = int(initializers[table].dims[1])  # K
     tied = head_weight == table
     if tied:  # the head's codes, quantized from the table's transposed copy (onnx_quantize._gemms_as_matmuls)
-        head = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith(f"{table}.T_Q"))
-        codes, scales = head.input[1], head.input[2]
+        heads = [n for n in graph.node if n.op_type == "MatMulNBits" and n.input[1].startswith(f"{table}.T_Q")]
+        if len(heads) != 1:
+            raise AssertionError(f"{len(heads)} MatMulNBits read the tied head's codes of {table!r}, not one")
+        codes, scales = heads[0].input[1], heads[0].input[2]
         vocab, blocks = (int(d) for d in initializers[codes].dims[:2])
     else:
         codes, scales = f"{table}_Q8", f"{table}_scales"
