@@ -88,7 +88,7 @@ def quantize_graph(path: Path, spec: QuantSpec, head_weight: str) -> dict[str, A
         quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=skip, algo_config=config)
         quantizer.process()
         model = quantizer.model.model
-    layouts["embedding"] = lookup_from_codes(model, EMBEDDING, head_weight)
+    layouts["embedding"] = lookup_from_codes(model, EMBEDDING, head_weight, INT8_BLOCK)
     data = path.with_name(path.name + ".data")
     data.unlink()  # onnx.save appends to an existing data file
     onnx.save(model, str(path), save_as_external_data=True, location=data.name)
