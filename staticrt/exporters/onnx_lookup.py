@@ -113,13 +113,16 @@ def _lookup_nodes(
 def int8_blocks(table: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """`table [V, K]` float32 as symmetric int8 in blocks of `block` along a row, in MatMulNBits'
     layout: uint8 codes `[V, ceil(K/block), block]` (zero point 128, the padding at it) and float32
-    scales `[V, ceil(K/block)]`, each element within half a scale of its value."""
+    scales `[V, ceil(K/block)]`, each element within half a scale of its value. Each block is a row
+    of a8_linear's `int8_codes` (absmax / 127)."""
+    import torch
+
+    from ..models.a8_linear import int8_codes
+
     vocab, width = table.shape
     blocks = -(-width // block)
     padded = np.zeros((vocab, blocks * block), np.float32)
     padded[:, :width] = table
-    padded = padded.reshape(vocab, blocks, block)
-    scales = np.abs(padded).max(axis=2) / 127  # [V, blocks]
-    scales[scales == 0] = 1.0  # an all-zero block: any scale gives codes at the zero point
-    codes = np.rint(padded / scales[:, :, None]) + 128
-    return codes.astype(np.uint8), scales.astype(np.float32)
+    codes, scales = int8_codes(torch.from_numpy(padded).view(vocab * blocks, block))  # a row a block
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
+    return shifted.view(vocab, blocks, block).numpy(), scales.view(vocab, blocks).numpy()
