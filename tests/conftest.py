@@ -175,17 +175,19 @@ def chat_prompt(smollm2) -> list[int]:
 @pytest.fixture(scope="module")
 def generators(hf_checkpoints):
     """(family, backend, cache kind) -> one Generator of batch 3 and 128 positions on that
-    checkpoint, shared within a module so that each compiled graph is built once."""
+    checkpoint, shared within a module so that each compiled graph is built once. Backend
+    "cudagraph-host" is the cudagraph backend's captured graphs replayed on the CPU."""
     import staticrt
+    from staticrt.backends.cudagraph import HostReplayBackend
 
     made: dict = {}
 
     def get(family: str, backend: str, cache: str = "static"):
         if (family, backend, cache) not in made:
             model = staticrt.load_model(hf_checkpoints[family][0])
-            made[family, backend, cache] = staticrt.Generator(
-                model, cache=cache, max_batch_size=3, max_cache_len=128, backend=backend
-            )
+            shape = dict(cache=cache, max_batch_size=3, max_cache_len=128)
+            built = HostReplayBackend(model, **shape) if backend == "cudagraph-host" else None
+            made[family, backend, cache] = staticrt.Generator(built or model, **shape, backend=backend)
         return made[family, backend, cache]
 
     return get

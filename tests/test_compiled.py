@@ -13,7 +13,7 @@ import torch
 
 import staticrt
 from staticrt.errors import GenerationError
-from staticrt.generation.loop import SamplingParams
+from staticrt.generation.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

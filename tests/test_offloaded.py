@@ -21,7 +21,7 @@ from staticrt.backends.step import run_step
 from staticrt.caches import CacheSpec, OffloadedStaticCache, OffloadWarning, build_cache, offloaded
 from staticrt.config import ModelConfig
 from staticrt.errors import CacheError
-from staticrt.generation.loop import SamplingParams
+from staticrt.generation.params import SamplingParams
 from staticrt.models.presets import PRESETS
 
 PROMPTS = [[5, 17, 99, 3, 200, 45, 8], [1, 2], list(range(10, 23))]  # lengths 7, 2, 13

@@ -70,6 +70,13 @@ def test_onnx_greedy_tokens_equal_transformers_and_sampling_equals_eager(onnx_ar
     sampled = gen.generate(prompts(), **options)
     assert sampled == eager(hf_checkpoints, family, cache).generate(prompts(), **options)
     assert sampled != tokens  # sampling really sampled
+    # log-probabilities: computed on the host from the graph's logits, as eager's in its step graph
+    reference = eager(hf_checkpoints, family, cache)
+    assert gen.generate(prompts(), 8, logprobs=3) == reference.generate(prompts(), 8, logprobs=3)
+    for ours, theirs in zip(gen.last_logprobs, reference.last_logprobs, strict=True):
+        for a, b in zip(ours, theirs, strict=True):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
 
 
 def test_onnx_runner_on_cuda_gives_the_cpu_tokens(onnx_artifacts):

@@ -23,14 +23,14 @@ import torch
 
 from ..errors import GenerationError
 from ..generation import builds
-from ..generation.loop import SamplingParams
+from ..generation.params import SamplingParams
 from ..models.packed_linear import PACK_MIN_HIDDEN, packs, weight_stamps
 from ..models.quant_spec import torchao_weights
 from .eager import EagerBackend
 from .freezing import frozen_decode_weights
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
-from .step import StepFn, graph_name, run_step, starts_fresh, step_choice, verifies
+from .step import StepFn, base_choice, gives_logprobs, graph_name, run_step, starts_fresh, step_choice, verifies
 
 log = logging.getLogger("staticrt")
 
@@ -101,7 +101,7 @@ class CompiledBackend(EagerBackend):
         if the model changed between generations); the rest run `past_guards` of it (guards.py).
         A `stream` callback must not change the model or the cache in the middle of a generation."""
         choice = self.graph_choice(choice)
-        if choice == "pick" and uniforms is None:
+        if base_choice(choice) == "pick" and uniforms is None:
             sampling, uniforms = (
                 replace(_GREEDY_AS_PICK, bias=sampling.bias),
                 np.zeros(len(input_ids), dtype=np.float32),
@@ -190,9 +190,11 @@ class CompiledBackend(EagerBackend):
     def graph_choice(self, choice: str) -> str:
         """The graph a step of `choice` runs in. On the CPU greedy and sampling steps share one,
         "pick" (`sampling.pick`: the argmax where every row is greedy, no sort): a server compiles
-        half the graphs, and the frozen decode graph packs its weights once. CUDA graphs keep one
-        graph a choice: a graph captured for replay cannot branch on its data."""
-        return "pick" if choice in ("greedy", "sample") and self.device.type == "cpu" else choice
+        half the graphs, and the frozen decode graph packs its weights once ("pick_logprobs" where
+        the step returns log-probabilities). CUDA graphs keep one graph a choice: a graph captured
+        for replay cannot branch on its data."""
+        base = base_choice(choice)
+        return "pick" + choice[len(base) :] if base in ("greedy", "sample") and self.device.type == "cpu" else choice
 
     def _unbuilt_keys(
         self, widths: Sequence[int], choice: str, continuing: bool, fresh: bool = True
@@ -264,8 +266,9 @@ class CompiledBackend(EagerBackend):
                     run_step,
                     graph_name(*key),
                     layers_once=once,
-                    either=choice == "pick",
+                    either=base_choice(choice) == "pick",
                     every_position=verifies(choice),
+                    logprobs=gives_logprobs(choice),
                 ),
                 fullgraph=True,
                 dynamic=False,

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..generation.loop import SamplingParams
+from ..generation.logprobs import StepLogprobs
+from ..generation.params import SamplingParams
 from .compiled import CompiledBackend
 from .eager import EagerBackend
 from .graph_capture import (
@@ -46,12 +47,13 @@ from .graph_capture import (
     HostEvent,
     load_inputs,
     new_graph,
+    output_buffers,
     replay_gpu_s,
     same_inputs,
     uniform_input,
     warm_and_capture,
 )
-from .step import StepFn, choice_candidates, starts_fresh, step_choice, verifies
+from .step import StepFn, choice_candidates, starts_fresh, step_choice
 
 _WARNED = False
 
@@ -114,7 +116,8 @@ class CudaGraphBackend(CompiledBackend):
         batch, seq_len = input_ids.shape
         if seq_len == 1 and self.decode_from is None:
             self.decode_from = write_index.copy()
-        choice = step_choice(uniforms is not None)
+        sink = sampling.logprobs_to
+        choice = step_choice(uniforms is not None, logprobs=sink is not None)
         decode, ahead = self.captured.get((1, "greedy", False)), self.ahead
         streak = self.decodes + 1 if seq_len == 1 and choice == "greedy" else 0
         if ahead is not None and choice == "greedy" and same_inputs(ahead, input_ids, write_index):
@@ -122,7 +125,7 @@ class CudaGraphBackend(CompiledBackend):
         else:
             output = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
         # The step's one wait: for its ids, copied out before the next replay overwrites them.
-        self.host_ids.copy_(output, non_blocking=True)
+        self.host_ids.copy_(output if sink is None else output[0], non_blocking=True)
         self.copied.record()
         self.decodes = streak
         launched = streak > 1 and sampling.bias is None and self._may_run_ahead(write_index)
@@ -130,6 +133,8 @@ class CudaGraphBackend(CompiledBackend):
             decode.graph.replay()  # fed from its own buffers: this step's ids, at write_index + 1
         self.copied.synchronize()
         next_ids = self.host_ids.numpy().copy()
+        if sink is not None:  # a step with log-probabilities never runs ahead: its buffers hold them still
+            sink.put(StepLogprobs(*(t.cpu().numpy() for t in output[1:])))
         if seq_len == 1:  # the graph left these in its own input buffers, or fed them to the step ahead
             fed = (next_ids.reshape(batch, 1), write_index + 1)
             if launched:
@@ -231,10 +236,7 @@ class CudaGraphBackend(CompiledBackend):
         }
         bias = torch.zeros(batch, self.vocab_size, dtype=torch.float32, device=dev)  # a step's logit bias, or zeros
         fn, k = self.step_function(*key), choice_candidates(choice)
-        if k:  # a beam step's candidates: log-probabilities and ids, [B, k] each
-            output: Any = (torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev))
-        else:  # a token a row, or after every position of a verify step
-            output = torch.zeros((batch, seq_len) if verifies(choice) else batch, dtype=torch.int64, device=dev)
+        output = output_buffers(choice, batch, seq_len, self.vocab_size, dev)
         buffers = {n: v for n, v in {**inputs, "bias": bias}.items() if v is not None}
         entry = CapturedGraph(new_graph(dev), buffers, output)
         feeds_itself = seq_len == 1 and not k  # beams take their tokens from the host
@@ -244,7 +246,7 @@ class CudaGraphBackend(CompiledBackend):
             for buffer, value in zip(output, result) if isinstance(output, tuple) else [(output, result)]:
                 buffer.copy_(value)
             if feeds_itself:  # feed the next decode step from the device
-                inputs["input_ids"].copy_(result[:, None])
+                inputs["input_ids"].copy_((result[0] if isinstance(output, tuple) else result)[:, None])
                 inputs["write_index"].add_(1)
 
         def load() -> None:

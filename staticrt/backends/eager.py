@@ -13,10 +13,21 @@ from ..caches import CacheSpec, KVCache, build_cache, resolve_max_cache_len
 from ..caches.row_state import RowStash
 from ..errors import CacheError, GenerationError, as_int
 from ..generation.buckets import default_buckets
-from ..generation.loop import SamplingParams, per_row
+from ..generation.params import SamplingParams, per_row
 from ..generation.prefix import Layouts, rotating_layouts
 from ..models.decoder import Decoder
-from .step import StepFn, choice_candidates, run_step, run_verify_step, starts_fresh, step_choice, verifies
+from .step import (
+    StepFn,
+    choice_candidates,
+    gives_logprobs,
+    host_ids,
+    run_logprobs_step,
+    run_step,
+    run_verify_step,
+    starts_fresh,
+    step_choice,
+    verifies,
+)
 
 
 def _check_cache(cache: KVCache, model: Decoder, param: torch.Tensor, **requested: int | None) -> None:
@@ -101,7 +112,9 @@ class EagerBackend(RowStash):
         """The callable that runs a step of `seq_len` tokens a row choosing as `choice` says
         (`step_choice`), from position 0 where `fresh` (`starts_fresh`); eager runs `run_step`
         as it is."""
-        return run_verify_step if verifies(choice) else run_step
+        if verifies(choice):
+            return run_verify_step
+        return run_logprobs_step if gives_logprobs(choice) else run_step
 
     def reset(self) -> None:
         self.cache.reset()
@@ -142,10 +155,11 @@ class EagerBackend(RowStash):
         sampling: SamplingParams,
         uniforms: np.ndarray | None,
     ) -> np.ndarray:
-        choice = step_choice(uniforms is not None)
+        sink = sampling.logprobs_to
+        choice = step_choice(uniforms is not None, logprobs=sink is not None)
         self.live = True
-        next_ids = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
-        return next_ids.cpu().numpy()  # the step's one device-to-host read
+        result = self.run(choice, input_ids, write_index, num_new, sampling, uniforms)
+        return host_ids(result, sink)  # the step's one device-to-host read (and its log-probabilities, if asked)
 
     def beam_step(
         self, input_ids: np.ndarray, write_index: np.ndarray, num_new: np.ndarray, candidates: int

@@ -23,7 +23,7 @@ from ..caches.row_state import RowStash
 from ..dtypes import recorded_dtype
 from ..errors import ArtifactError, check_positions
 from ..generation.host_sampling import choose
-from ..generation.loop import SamplingParams
+from ..generation.params import SamplingParams
 from ..models.a8_kernels import load as load_kernels
 from ..models.quant_spec import A8_CHOICES
 from .artifact_base import ArtifactBackend

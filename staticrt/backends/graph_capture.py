@@ -21,15 +21,17 @@ import numpy as np
 import torch
 
 from ..caches import KVCache
-from ..generation.loop import SamplingParams, per_row
-from .step import VERIFY_SAMPLE
+from ..generation.logprobs import TOP_LOGPROBS
+from ..generation.params import SamplingParams, per_row
+from .step import VERIFY_SAMPLE, base_choice, choice_candidates, gives_logprobs, verifies
 
 
 @dataclass
 class CapturedGraph:
     graph: Any  # torch.cuda.CUDAGraph, or off CUDA its stand-in `HostGraph`
     inputs: dict[str, torch.Tensor]  # static buffers the graph reads, by step argument name
-    output: Any  # on the device: [B] int64 chosen ids, or a beam step's ([B, k] float32, [B, k] int64)
+    output: Any  # on the device: [B] int64 chosen ids, a beam step's ([B, k] float32, [B, k] int64), or
+    # the ids and their log-probabilities ([B], [B] float32, [B, K] float32, [B, K] int64)
     expected: tuple[np.ndarray, np.ndarray] | None = None  # decode: (ids, write_index) its buffers hold next
     params: tuple[tuple[Any, ...], ...] | None = None  # sampling parameters its buffers hold, a row each
     biased: bool = False  # whether its `bias` buffer holds a step's logit bias (else zeros)
@@ -108,7 +110,21 @@ def uniform_input(choice: str, batch: int, seq_len: int, dev: torch.device) -> t
     that samples (`sampling.verify_sample`), none for greedy."""
     if choice == VERIFY_SAMPLE:
         return torch.zeros(batch, seq_len, 2, dtype=torch.float32, device=dev)
-    return torch.zeros(batch, dtype=torch.float32, device=dev) if choice == "sample" else None
+    return torch.zeros(batch, dtype=torch.float32, device=dev) if base_choice(choice) == "sample" else None
+
+
+def output_buffers(choice: str, batch: int, seq_len: int, vocab: int, dev: torch.device) -> Any:
+    """Where a captured step of `choice` leaves what it returns (`CapturedGraph.output`)."""
+    k, ids = choice_candidates(choice), torch.zeros(batch, dtype=torch.int64, device=dev)
+    if k:  # a beam step's candidates: log-probabilities and ids
+        return torch.zeros(batch, k, device=dev), torch.zeros(batch, k, dtype=torch.int64, device=dev)
+    if verifies(choice):  # the token after every position
+        return torch.zeros(batch, seq_len, dtype=torch.int64, device=dev)
+    if gives_logprobs(choice):
+        top = min(TOP_LOGPROBS, vocab)
+        logprobs = torch.zeros(batch, device=dev), torch.zeros(batch, top, device=dev)
+        return ids, *logprobs, torch.zeros(batch, top, dtype=torch.int64, device=dev)
+    return ids
 
 
 def warm_and_capture(

@@ -45,7 +45,7 @@ from ..errors import StaticrtError
 from ..models.decoder import Decoder
 from ..models.packed_gemv import packed_bytes
 from ..models.packed_linear import address, pack, weight_stamps
-from .step import choice_candidates, run_step, verifies
+from .step import base_choice, choice_candidates, gives_logprobs, run_step, verifies
 
 log = logging.getLogger("staticrt")
 
@@ -134,8 +134,9 @@ class StepModule(torch.nn.Module):
             candidates=choice_candidates(self.choice),
             fresh=self.fresh,
             layers_once=self.layers_once,
-            either=self.choice == "pick",
+            either=base_choice(self.choice) == "pick",
             every_position=verifies(self.choice),
+            logprobs=gives_logprobs(self.choice),
         )
 
 
@@ -160,13 +161,12 @@ class StoredStep:
         supplied = {name: live[fqn] for name, fqn in names.items() if fqn in live}
         self._runner.update_constant_buffer(supplied, False, False, True)
         self.addresses = live_addresses(step)  # what the runner now points at
-        self._candidates = choice_candidates(step.choice)
 
     def __call__(self, model: Decoder, cache: KVCache, *inputs: Any, bias: torch.Tensor, **_: Any) -> Any:
         # ids, write index, num new, temperature, top k, top p, uniform (none for a beam step)
         *given, uniform = inputs[:7]
         outputs = self._runner.run([*given, torch.zeros(len(given[0])) if uniform is None else uniform, bias])
-        return tuple(outputs) if self._candidates else outputs[0]
+        return tuple(outputs) if len(outputs) > 1 else outputs[0]  # a beam step's pair, log-probabilities
 
 
 class GraphStore:

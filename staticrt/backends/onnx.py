@@ -23,7 +23,7 @@ import numpy as np
 from ..artifacts.manifest import INDEXED_LOGITS, LOGITS_INDEX, REEXPORT
 from ..errors import ArtifactError, check_positions
 from ..generation.host_sampling import choose, verify
-from ..generation.loop import SamplingParams
+from ..generation.params import SamplingParams
 from .artifact_base import ArtifactBackend
 from .onnx_session import has_cuda_device, session
 

@@ -25,7 +25,8 @@ import numpy as np
 
 from ..errors import GenerationError, as_int, as_real
 from .buckets import bucket_for
-from .loop import GenerationStats, SamplingParams, StepBackend
+from .loop import GenerationStats, StepBackend
+from .params import SamplingParams
 from .prefill import crossing
 from .request import validate_request
 

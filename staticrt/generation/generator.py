@@ -19,7 +19,9 @@ from ..errors import ArtifactError, GenerationError, as_int
 from .beam_search import BeamParams, beam_search_tokens
 from .grammar import Grammar
 from .logit_bias import bias_rule
-from .loop import MAX_NEW_TOKENS, GenerationStats, SamplingParams, StepBackend, StreamCallback, generate_tokens
+from .logprobs import TokenLogprob
+from .loop import MAX_NEW_TOKENS, GenerationStats, StepBackend, StreamCallback, generate_tokens
+from .params import SamplingParams
 from .speculative import Speculation
 
 
@@ -86,10 +88,18 @@ def load_artifact(path: str | Path, backend: str | None = None, threads: int | N
     return Generator(BACKENDS[backend].build(folder, backend, manifest, **options))
 
 
-def _beam_params(
-    num_beams: Any, length_penalty: Any, early_stopping: Any, sampling: SamplingParams, stream: Any, speculative: Any
+def _call_options(
+    num_beams: Any,
+    length_penalty: Any,
+    early_stopping: Any,
+    sampling: SamplingParams,
+    stream: Any,
+    speculative: Any,
+    reuse_prefix: Any,
 ) -> BeamParams | None:
-    """The beam search a `generate` call asks for (None: one beam), checked before anything runs."""
+    """A `generate` call's options checked before anything runs; the beam search it asks for (None: one beam)."""
+    if not isinstance(reuse_prefix, bool):
+        raise GenerationError(f"reuse_prefix is {reuse_prefix!r}; it must be True or False")
     params = BeamParams(num_beams, length_penalty, early_stopping).checked()
     if params.num_beams == 1:
         return None
@@ -109,6 +119,8 @@ def _beam_params(
         raise GenerationError(
             "beam search takes no logit_bias, penalties or grammar yet; pass num_beams=1 for them, or leave them out"
         )
+    if sampling.logprobs is not None:
+        raise GenerationError("beam search returns no logprobs; pass num_beams=1 for them, or logprobs=None")
     return params
 
 
@@ -153,6 +165,7 @@ class Generator:
                 window=window,
             )
         self.last_stats = GenerationStats()
+        self.last_logprobs: list[list[TokenLogprob]] | None = None  # the last call's, where it asked (`generate`)
         # The ids each row's cache holds, as fed (prefix.py): what `reuse_prefix` continues from.
         self.held: list[list[int]] = [[] for _ in range(self.backend.batch_size)]
         self._lock = threading.Lock()
@@ -187,6 +200,7 @@ class Generator:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         grammar: Grammar | None = None,
+        logprobs: int | None = None,
     ) -> list[list[int]]:
         """New token ids per prompt; timings of the call land in `self.last_stats`.
 
@@ -205,24 +219,24 @@ class Generator:
 
         `logit_bias` {token id: bias in [-100, 100]}, `presence_penalty` and `frequency_penalty` ([-2, 2],
         vLLM's definition) and a JSON schema's `grammar` (`staticrt.json_schema_grammar`; stop at the eos
-        ids) bias each row's logits before its choice (generation/logit_bias.py, grammar.py)."""
+        ids) bias each row's logits before its choice (generation/logit_bias.py, grammar.py). With
+        `logprobs` k (0 to 20), `self.last_logprobs` holds each row's `TokenLogprob`s, the model's own
+        (generation/logprobs.py), each with its k most likely tokens'; None where not asked."""
         self._refuse_reentry()
         rule = bias_rule(logit_bias, presence_penalty, frequency_penalty, grammar)
-        sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed, rule)
+        sampling = SamplingParams(do_sample, temperature, top_k, top_p, seed, rule, logprobs=logprobs)
+        beams = _call_options(num_beams, length_penalty, early_stopping, sampling, stream, speculative, reuse_prefix)
         with self._lock:
             self._running_in = threading.get_ident()
             try:
-                stats = GenerationStats()
-                beams = _beam_params(num_beams, length_penalty, early_stopping, sampling, stream, speculative)
-                if not isinstance(reuse_prefix, bool):
-                    raise GenerationError(f"reuse_prefix is {reuse_prefix!r}; it must be True or False")
+                stats, found = GenerationStats(), [] if logprobs is not None else None
                 if beams is None:
-                    asked = (prompts, max_new_tokens, sampling, stop_token_ids, stream)
-                    tokens = generate_tokens(self.backend, *asked, stats, self.held, reuse_prefix, speculative)
+                    asked = (prompts, max_new_tokens, sampling, stop_token_ids, stream, stats, self.held, reuse_prefix)
+                    tokens = generate_tokens(self.backend, *asked, speculative, found)
                 else:
                     self.held[:] = [[] for _ in self.held]  # beams reorder and overwrite rows
                     tokens = beam_search_tokens(self.backend, prompts, max_new_tokens, beams, stop_token_ids, stats)
-                self.last_stats = stats
+                self.last_stats, self.last_logprobs = stats, found
                 return tokens
             finally:
                 self._running_in = None

@@ -11,14 +11,21 @@ from typing import Any
 
 import numpy as np
 
+from .logprobs import host_logprobs
+
 
 def choose(logits: np.ndarray, sampling: Any, uniforms: np.ndarray | None) -> np.ndarray:
     """A step's tokens `[B]` from its logits `[B, V]`: greedy without uniforms, else sampled with
-    `sampling`'s temperature, top_k and top_p (one value, or one a row), after its logit bias."""
-    logits = biased(logits, sampling)
+    `sampling`'s temperature, top_k and top_p (one value, or one a row), after its logit bias; where
+    the step was asked for log-probabilities, those of `logits` go to its sink (logprobs.py)."""
+    scored = biased(logits, sampling)
     if uniforms is None:
-        return greedy(logits)
-    return sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
+        chosen = greedy(scored)
+    else:
+        chosen = sample(scored, sampling.temperature, sampling.top_k, sampling.top_p, uniforms)
+    if sampling.logprobs_to is not None:
+        sampling.logprobs_to.put(host_logprobs(logits, chosen))
+    return chosen
 
 
 def biased(logits: np.ndarray, sampling: Any) -> np.ndarray:

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import GenerationError, as_int, as_real
-from .logit_bias import BiasRule, counting, row_biases, step_bias
+from .logit_bias import counting, row_biases, step_bias
+from .logprobs import TokenLogprob, asking
+from .params import SamplingParams
 from .prefill import decoding, prefill_inputs, restart_width
 from .prefix import Layouts, mark_cut_tails
 from .request import validate_request
@@ -26,36 +27,6 @@ from .speculator import Speculator, speculator_for
 
 StreamCallback = Callable[[int, int], None]  # (row, token id), called as each token is chosen
 MAX_NEW_TOKENS = 32  # what a generation asks for when nobody says (the Python API and `staticrt run`)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0 keeps the whole vocabulary
-    top_p: float = 1.0
-    seed: int | None = None
-    rule: BiasRule | None = None  # logit_bias and penalties (logit_bias.py), a request's
-    bias: np.ndarray | None = field(default=None, compare=False)  # a step's [B, V] float32 added to the logits
-
-    def checked(self, vocab_size: int) -> SamplingParams:
-        """These parameters as plain Python numbers, or a GenerationError naming the one at fault.
-        Types are checked always, ranges when sampling; a top_k of the vocabulary or more keeps
-        every token, so it becomes 0 (and never overflows a tensor)."""
-        if not isinstance(self.do_sample, bool) and type(self.do_sample).__name__ != "bool_":
-            raise GenerationError(f"do_sample is {self.do_sample!r}; it must be True or False")
-        temperature = as_real(self.temperature, "temperature")
-        top_k = as_int(self.top_k, "top_k", 0)
-        top_p = as_real(self.top_p, "top_p")
-        seed = None if self.seed is None else as_int(self.seed, "seed", 0)
-        if self.do_sample:
-            if not temperature > 0:
-                raise GenerationError(f"temperature is {temperature}; it must be > 0 (use do_sample=False for greedy)")
-            if not 0 < top_p <= 1:
-                raise GenerationError(f"top_p is {top_p}; it must be in (0, 1]")
-        rule = None if self.rule is None else self.rule.checked(vocab_size)
-        top_k = 0 if top_k >= vocab_size else top_k
-        return SamplingParams(bool(self.do_sample), temperature, top_k, top_p, seed, rule)
 
 
 class StepBackend(Protocol):
@@ -131,11 +102,6 @@ class GenerationStats:
         return self.accepted / self.drafted if self.drafted else None
 
 
-def per_row(value: Any, batch: int, dtype: Any) -> np.ndarray:
-    """A sampling parameter as `[batch]` values: one number for every row, or already one a row."""
-    return np.array(np.broadcast_to(np.asarray(value, dtype=dtype), (batch,)))  # a writable copy
-
-
 def _uniforms(rngs: list[np.random.Generator], shape: tuple[int, ...]) -> np.ndarray:
     """Uniform draws of `shape` a row, `[B, *shape]` float32, each from the row's own generator
     (its sampled tokens depend on its seed alone): one for a step, `(T, 2)` for a verify step."""
@@ -169,6 +135,7 @@ def generate_tokens(
     held: list[list[int]] | None = None,
     reuse: bool = False,
     speculative: Speculation | None = None,
+    logprobs: list[list[TokenLogprob]] | None = None,
 ) -> list[list[int]]:
     """Prefill every row in one bucket, then decode one token a step until each row has
     `max_new_tokens` or has emitted a stop token (kept in its output, as transformers does).
@@ -176,9 +143,11 @@ def generate_tokens(
     `held [B]`: the ids each row's cache holds, kept true step by step (the Generator owns it).
     With `reuse`, a row keeps the prefix of its prompt that it already holds, where that is exact
     (prefix.py), and prefills only the rest: the tokens are a whole prefill's. With `speculative`,
-    decode steps verify tokens drafted from each row's own, greedy or sampling (speculative.py)."""
+    decode steps verify tokens drafted from each row's own, greedy or sampling (speculative.py).
+    Where `sampling.logprobs` asks, `logprobs` gets each row's tokens' entries (logprobs.py)."""
     request = validate_request(backend, prompts, max_new_tokens, sampling, stop_token_ids, stream, chunked=reuse)
     rows, max_new_tokens, sampling, stops = request.rows, request.max_new_tokens, request.sampling, request.stops
+    sampling, record = asking(sampling, speculative is not None, logprobs, len(rows))
     stats = stats if stats is not None else GenerationStats()
     batch, n_rows = backend.batch_size, len(rows)
     held = held if held is not None else [[] for _ in range(batch)]
@@ -210,10 +179,8 @@ def generate_tokens(
     def verify(ids: np.ndarray, num_new: np.ndarray) -> np.ndarray:
         return step(ids, num_new, backend.verify_step, (ids.shape[1], 2))
 
-    steps, emit = (
-        decoding(backend, step, restart, write_index, held, n_rows),
-        counting(biased, stream) if biased else stream,
-    )
+    steps = decoding(backend, step, restart, write_index, held, n_rows)
+    emit = record(counting(biased, stream) if biased else stream)
     out = _decode(steps, next_ids, n_rows, max_new_tokens, stops, emit, write_index, stats, speculator, verify)
     mark_cut_tails(held, cut, kept, backend.rotating_layouts)
     return out

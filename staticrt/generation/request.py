@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import GenerationError, as_int
 
-# A backend is loop.py's StepBackend and sampling its SamplingParams; loop.py imports this module.
+# A backend is loop.py's StepBackend and sampling params.py's SamplingParams; loop.py imports this module.
 StepBackend = SamplingParams = Any
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .logprobs import TOP_LOGPROBS
+
 # The longest scan a CUDA graph holds. Inductor splits a scan over more elements into blocks
 # when it has few rows (a SplitScan: fewer than 64 rows an SM, 8448 on an H100), and torch
 # 2.11's Triton code generation fails on that kernel for the sampling step of a server's 8 rows
@@ -24,6 +26,15 @@ def beam_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     (descending) and ids `[B, k]` int64. A beam step needs no more of the vocabulary: the best k
     continuations over all of an item's beams are among the best k of each beam."""
     return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The log-probabilities a step returns where a row asked (logprobs.py): of the model's logits
+    `[B, V]`, the chosen ids' `[B]` and the `TOP_LOGPROBS` most likely `[B, K]` (descending) with
+    their ids `[B, K]`, float32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top, top_ids = logp.topk(min(TOP_LOGPROBS, logp.shape[-1]), dim=-1)
+    return logp.gather(-1, chosen[:, None])[:, 0], top, top_ids
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ..text.tool_calls import ToolCallStream
 from .job import Event
-from .protocol import Reply, error_body
+from .protocol import error_body
+from .reply import Reply
 from .tools import Tools
 
 Tagged = tuple[int, Event]  # (the choice's index, what its job said)
@@ -48,6 +49,7 @@ def usage_of(usages: list[dict]) -> dict:
 async def whole(events: asyncio.Queue[Tagged], n: int, reply: Reply, tools: Tools | None) -> Response:
     texts: list[list[str]] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
+    logprobs: list[list | None] = [None] * n  # a choice's entries, where asked
     choices: list[dict | None] = [None] * n
     usages = []
     while any(c is None for c in choices):
@@ -57,9 +59,12 @@ async def whole(events: asyncio.Queue[Tagged], n: int, reply: Reply, tools: Tool
         if event.kind == "token":
             texts[i].append(event.text)
             tokens[i].extend(event.tokens)
+            if event.logprobs is not None:
+                logprobs[i] = (logprobs[i] or []) + event.logprobs
             continue
         content, calls = ("".join(texts[i]), []) if tools is None else tools.read("".join(texts[i]))
-        choices[i] = reply.choice(i, content, tokens[i], "tool_calls" if calls else event.finish_reason, calls)
+        finish = "tool_calls" if calls else event.finish_reason
+        choices[i] = reply.choice(i, content, tokens[i], finish, calls, logprobs[i])
         usages.append(event.usage)
     return JSONResponse(reply.whole(choices, usage_of(usages)))
 
@@ -84,7 +89,8 @@ async def stream(
             i, event = await events.get()
             reader = readers[i]
             if event.kind == "token":
-                yield sse(reply.chunk(event.text if reader is None else reader.push(event.text), event.tokens, index=i))
+                text = event.text if reader is None else reader.push(event.text)
+                yield sse(reply.chunk(text, event.tokens, index=i, logprobs=event.logprobs))
             elif event.kind == "error":
                 yield sse(error_body(event.message, "server_error"))
                 break

@@ -32,13 +32,13 @@ from .openapi import KEY_REFUSAL, completion_route
 from .protocol import (
     BadRequest,
     Limits,
-    Reply,
     chat_prompt,
     check_fields,
     choices_asked,
     completion_prompt,
     completion_request,
 )
+from .reply import Reply
 from .scheduler import NotAdmitting, QueueFull, Scheduler
 from .tools import Tools
 
@@ -159,7 +159,7 @@ async def _complete(
     except (BadRequest, GenerationError, QueueFull, NotAdmitting) as err:
         jobs.cancel()  # choices admitted before the one refused
         return _refusal(err)
-    reply = Reply(limits.model, chat)
+    reply = Reply(limits.model, chat, scheduler.tokenizer)
     if asked.stream:
         return StreamingResponse(stream(jobs, events, reply, asked.usage, asked.tools), media_type="text/event-stream")
     watcher = asyncio.create_task(_watch_disconnect(request, jobs))

@@ -14,7 +14,8 @@ import numpy as np
 from ..errors import GenerationError
 from ..generation.buckets import chunk_end
 from ..generation.logit_bias import RowBias, step_bias
-from ..generation.loop import SamplingParams
+from ..generation.logprobs import LogprobSink, TokenLogprob
+from ..generation.params import SamplingParams
 from ..generation.request import validate_request
 from ..text.stop_strings import StopStrings
 
@@ -88,6 +89,7 @@ class Event:
     usage: dict[str, Any] | None = None
     status: int = 0  # with `error`: 500 when a step failed, 503 when the server stopped
     message: str = ""
+    logprobs: list[TokenLogprob] | None = None  # with `token`, where the request asked: an entry a token
 
 
 @dataclass(eq=False)
@@ -114,6 +116,7 @@ class Job:
     last_at: float = 0.0
     stops: StopStrings | None = field(init=False)
     bias: RowBias | None = field(init=False)  # its logit_bias and penalties (logit_bias.py)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # an entry a token, where asked (logprobs.py)
 
     def __post_init__(self) -> None:
         self.stops = StopStrings(self.request.stop) if self.request.stop else None
@@ -127,6 +130,11 @@ class Job:
         return self.bias is not None and self.bias.rule.follows_tokens
 
     @property
+    def top_logprobs(self) -> int | None:
+        """The top tokens it wants beside each chosen one's log-probability; None: no log-probabilities."""
+        return self.request.sampling.logprobs
+
+    @property
     def position(self) -> int:
         """Tokens of this row in the cache: the prompt, then every chosen token but the newest."""
         return self.fed + max(len(self.tokens) - 1, 0)
@@ -135,12 +143,15 @@ class Job:
         """Free the row at the next step (a client that went away)."""
         self.cancelled = True
 
-    def accept(self, token: int) -> str | None:
-        """Take the chosen `token`; why the job ends with it, if it does ("stop" on a stop id or
-        string, "length" at max_tokens). Text is read token by token only where a stop string may
-        end at this token; otherwise when an event is due (`due`), a few tokens at a time."""
+    def accept(self, token: int, entry: TokenLogprob | None = None) -> str | None:
+        """Take the chosen `token` (with its log-probabilities' `entry`, where asked); why the job
+        ends with it, if it does ("stop" on a stop id or string, "length" at max_tokens). Text is
+        read token by token only where a stop string may end at this token; otherwise when an
+        event is due (`due`), a few tokens at a time."""
         request = self.request
         self.tokens.append(token)
+        if entry is not None:
+            self.logprobs.append(entry)
         if self.bias is not None:
             self.bias.emitted(token)
         reason = "stop" if token in request.stop_token_ids else None
@@ -179,6 +190,8 @@ class Job:
         hold = 0 if last or self.stops is None else self.stops.held
         start, self.sent = self.sent, max(len(self.text) - hold, self.sent)
         event = Event("token", tokens=self.tokens[self.tokens_sent :], text=self.text[start : self.sent])
+        if self.top_logprobs is not None:
+            event.logprobs = self.logprobs[self.tokens_sent :]
         self.tokens_sent = len(self.tokens)
         return event
 
@@ -211,6 +224,7 @@ class Plan:
         self.members: list[Job] = []
         self.finishing: list[Job] = []
         self.sampling: tuple[SamplingParams, np.ndarray | None] = (SamplingParams(), None)
+        self.logprobs: LogprobSink | None = None  # where the step puts log-probabilities, if a job asks
 
     def add(self, job: Job, ids: list[int], write_index: int, slot: int | None = None) -> None:
         slot = job.row if slot is None else slot
@@ -229,9 +243,10 @@ class Plan:
         batch, width = self.input_ids.shape
         rows = {self.slot[job]: job.bias for job in jobs if job.bias is not None}
         bias = step_bias(rows, batch, self.backend.vocab_size)
+        self.logprobs = LogprobSink() if any(job.top_logprobs is not None for job in jobs) else None
         sampled = [job for job in jobs if job.request.sampling.do_sample]
         if not sampled:
-            self.sampling = (SamplingParams(bias=bias), None)
+            self.sampling = (SamplingParams(bias=bias, logprobs_to=self.logprobs), None)
             return
         temperature = np.ones(batch, dtype=np.float32)
         top_k = np.ones(batch, dtype=np.int64)
@@ -242,7 +257,10 @@ class Plan:
             params, row = job.request.sampling, self.slot[job]
             temperature[row], top_k[row], top_p[row] = params.temperature, params.top_k, params.top_p
             uniforms[row] = job.rng.random(draws, dtype=np.float32)
-        self.sampling = (SamplingParams(True, temperature, top_k, top_p, bias=bias), uniforms)
+        self.sampling = (
+            SamplingParams(True, temperature, top_k, top_p, bias=bias, logprobs_to=self.logprobs),
+            uniforms,
+        )
 
     def run(self) -> np.ndarray:
         """The step: each row's next token `[B]`, or in a verify step the token after each position `[B, T]`."""

@@ -16,6 +16,7 @@ from typing import Any
 from .http_limits import BODY_S
 from .job import MAX_STOP_CHARS, MAX_STOPS
 from .logit_fields import bias_schema
+from .logprob_fields import logprobs_schema
 from .protocol import UNSUPPORTED, Limits
 
 TEXT_PART = {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}, "text": {}}}
@@ -101,6 +102,7 @@ def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]
         "properties": {
             **common,
             **{name: {"enum": [None, neutral]} for name, neutral in (("tools", []), ("tool_choice", "none"))},
+            **logprobs_schema(chat=False),
             "prompt": {"anyOf": [*prompt, {"type": "array", "items": {"anyOf": prompt}, "minItems": 1, "maxItems": 1}]},
         },
     }
@@ -114,7 +116,11 @@ def _bodies(limits: Limits, text: bool) -> tuple[dict[str, Any], dict[str, Any]]
             "chat_template_kwargs": {"type": "object"},
             **TOOLS,
             "parallel_tool_calls": {"type": "boolean"},
+            **logprobs_schema(chat=True),
         },
+        # top_logprobs needs logprobs: true beside it
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
     }
     return completion, chat
 

@@ -125,8 +125,8 @@ def _verify_plan(
     drafted; else None (a decode step). Greedy rows take the drafts the model's argmax agrees
     with; sampled rows (beside them, greedy ones as top_k 1) speculative sampling's rule."""
     spec, limit = drafting.spec, backend.max_sequence_len
-    if not decoding or not drafting.policy.ready():
-        return None
+    if not decoding or not drafting.policy.ready() or any(job.top_logprobs is not None for job in decoding):
+        return None  # a verify step returns no log-probabilities
     ends = [job.position for job in decoding] + [job.fed for job in prefilling]
     if limit is not None and max(ends) + spec.k + 1 > limit:
         return None

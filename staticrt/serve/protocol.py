@@ -1,38 +1,29 @@
-"""OpenAI's request and response bodies: a request checked field by field into a `Completion`
-(a bad field is a `BadRequest` naming it, its limit and the way out: HTTP 400 in OpenAI's error
-shape), and the response objects and stream chunks built from the scheduler's events.
-
-Each choice also carries `token_ids` (the ids behind its text, as vLLM's `return_token_ids`), so a
-client can check tokens without a tokenizer.
+"""OpenAI's request bodies: a request checked field by field into a `Completion` (a bad field is a
+`BadRequest` naming it, its limit and the way out: HTTP 400 in OpenAI's error shape). The response
+objects are reply.py's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
-import time
-import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StaticrtError
-from ..generation.loop import SamplingParams
+from ..generation.params import SamplingParams
 from ..text.chat_template import check_template_kwargs
 from ..text.generation_config import GenerationDefaults
 from ..text.tokenizer import check_text
-from ..text.tool_calls import ToolCall
 from .bad_request import BadRequest, shown
 from .job import check_stops
 from .logit_fields import bias_fields, response_grammar
+from .logprob_fields import logprobs_asked
 from .scheduler import Completion
 from .tools import Tools, check_tools, template_messages
 
 # OpenAI fields staticrt does not implement, with the values that ask for nothing: any other value
 # is refused by name, since ignoring it would answer something other than what was asked.
 UNSUPPORTED = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -225,64 +216,8 @@ def completion_request(body: dict, prompt: list[int], limits: Limits, chat: bool
     stop_ids = [] if stop_ids in (None, []) else _token_list(stop_ids, "stop_token_ids", limits.vocab_size)
     grammar = response_grammar(body, tokenizer, limits.vocab_size, limits.eos_token_ids)
     rule = bias_fields(body, limits.vocab_size, grammar)
-    sampling = SamplingParams(temperature > 0, temperature if temperature > 0 else 1.0, top_k, top_p, seed, rule)
+    logprobs = logprobs_asked(body, chat)
+    sampling = SamplingParams(
+        temperature > 0, temperature if temperature > 0 else 1.0, top_k, top_p, seed, rule, logprobs=logprobs
+    )
     return Completion(prompt, max_tokens, sampling, tuple(limits.eos_token_ids) + tuple(stop_ids), stop)
-
-
-class Reply:
-    """The response object, or its stream chunks, for one request."""
-
-    def __init__(self, model: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.object = "chat.completion" if chat else "text_completion"
-
-    def _wrap(self, obj: str, choices: list[dict], **extra: Any) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
-
-    def choice(
-        self, index: int, text: str | None, tokens: list[int], finish_reason: str, calls: Sequence[ToolCall] = ()
-    ) -> dict:
-        """One choice of a whole answer; `calls`: the tool calls read out of it (`text` then what is
-        left, None if nothing)."""
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            if calls:
-                choice["message"]["tool_calls"] = [_call(c) for c in calls]
-        else:
-            choice["text"] = text
-        return choice
-
-    def whole(self, choices: list[dict], usage: dict) -> dict:
-        return self._wrap(self.object, choices, usage=usage)
-
-    def chunk(
-        self,
-        text: str | None,
-        tokens: list[int],
-        finish_reason: str | None = None,
-        first: bool = False,
-        calls: Sequence[ToolCall] = (),
-        index: int = 0,
-    ) -> dict:
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "token_ids": tokens, "logprobs": None}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            if calls:  # each call whole in one delta, as vLLM sends a call it read at the end
-                delta["tool_calls"] = [{"index": i, **_call(c)} for i, c in enumerate(calls)]
-            choice["delta"] = delta
-            return self._wrap("chat.completion.chunk", [choice])
-        choice["text"] = text or ""
-        return self._wrap("text_completion", [choice])
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage)
-
-
-def _call(call: ToolCall) -> dict:
-    """A tool call in OpenAI's shape, with an id a `role: tool` answer names it by."""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": dataclasses.asdict(call)}

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import StaticrtError
+from ..generation.logprobs import TokenLogprob
 from ..generation.loop import StepBackend
 from ..generation.speculative import accepted
 from .job import Completion, Event, Job, Plan, check_request
@@ -259,12 +260,16 @@ class Scheduler:
                 if job.row is None or self.rows[job.row] is not job:
                     break  # finished at an earlier token of this step (a stop)
                 self.metrics.observe_token(job)
-                self._deliver(job, token)
+                asked = plan.logprobs is not None and job.top_logprobs is not None  # never in a verify step
+                self._deliver(
+                    job, token, plan.logprobs.entry(plan.slot[job], token, job.top_logprobs) if asked else None
+                )
         return [len(chosen[job]) for job in plan.finishing]
 
-    def _deliver(self, job: Job, token: int) -> None:
-        """Send the token and the text it completes; finish the job on a stop id, a stop string or its length."""
-        reason = job.accept(token)
+    def _deliver(self, job: Job, token: int, entry: TokenLogprob | None = None) -> None:
+        """Send the token (its log-probabilities' `entry`, where asked) and the text it completes;
+        finish the job on a stop id, a stop string or its length."""
+        reason = job.accept(token, entry)
         event = job.due(last=reason is not None)
         if event is not None:
             job.emit(event)
