@@ -31,6 +31,7 @@ _EXPORTS = {
     "Speculation": "staticrt.generation.speculative",
     "Grammar": "staticrt.generation.grammar",
     "json_schema_grammar": "staticrt.generation.grammar",
+    "text_grammar": "staticrt.generation.grammar",
     "CacheSpec": "staticrt.caches",
     "StaticCache": "staticrt.caches",
     "SlidingWindowCache": "staticrt.caches",

@@ -8,6 +8,7 @@ a schema that does not compile is a 400 naming the field."""
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -170,6 +171,33 @@ def test_greedy_tokens_equal_transformers_with_the_same_librarys_mask(smollm2, h
         json.loads(model.tokenizer.decode(free))
 
 
+# The same grammar in llama.cpp's GBNF and in Lark: an answer, a reason in lower case, a full stop
+GBNF = 'root ::= ("Yes" | "No") ", " [a-z ]{1,60} "."'
+LARK = 'start: ("Yes" | "No") ", " /[a-z ]{1,60}/ "."'
+YES_NO = r"(Yes|No), [a-z ]{1,60}\."
+
+
+def test_a_gbnf_or_lark_grammar_gives_transformers_tokens_with_the_same_librarys_mask(smollm2, hf_smollm2):
+    from transformers import LogitsProcessorList
+
+    model = staticrt.load_model(smollm2)
+    eos = list(model.config.eos_token_ids)
+    prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": "Is Paris the capital of France?"}])
+    gen = staticrt.Generator(model, max_cache_len=256)
+    gbnf, lark = staticrt.text_grammar(model, GBNF), staticrt.text_grammar(model, LARK)
+    tokens = gen.generate([prompt], 40, grammar=gbnf, stop_token_ids=eos)[0]
+    assert gen.generate([prompt], 40, grammar=lark, stop_token_ids=eos)[0] == tokens
+    ids = torch.tensor([prompt])
+    out = hf_smollm2[0].generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+        logits_processor=LogitsProcessorList([LLGuidance(gbnf)]), eos_token_id=eos, pad_token_id=0,
+    )  # fmt: skip
+    assert tokens == out[0, len(prompt) :].tolist() and tokens[-1] in eos
+    assert re.fullmatch(YES_NO, model.tokenizer.decode(tokens)), model.tokenizer.decode(tokens)
+    with pytest.raises(staticrt.GenerationError, match="^the grammar does not compile: "):
+        staticrt.text_grammar(model, "root ::= (")
+
+
 @pytest.fixture(scope="module")
 def served(smollm2):
     """SmolLM2 served on loopback (eager, 8 rows): its URL."""
@@ -222,6 +250,29 @@ def test_response_format_through_the_openai_client_always_parses_and_validates(s
         body = {"model": "smollm2", "messages": messages, "response_format": fmt}
         reply = httpx.post(f"{url}/v1/chat/completions", json=body)
         assert (reply.status_code, reply.json()["error"]["param"]) == (400, "response_format")
+        assert reply.json()["error"]["message"].startswith(message)
+
+
+def test_the_grammar_field_takes_gbnf_or_lark_and_names_a_bad_one(served):
+    """llama.cpp's server's `grammar` field, through the `openai` client's extra_body; sampled too."""
+    from serving import client
+
+    api = client(served)
+    messages = [{"role": "user", "content": "Is Paris the capital of France?"}]
+    for grammar, sampling in ((GBNF, dict(temperature=0)), (LARK, dict(temperature=1.0, seed=3))):
+        reply = api.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=60, extra_body={"grammar": grammar}, **sampling
+        )
+        assert reply.choices[0].finish_reason == "stop"
+        assert re.fullmatch(YES_NO, reply.choices[0].message.content), reply.choices[0].message.content
+    fmt = {"type": "json_object"}
+    for extra, message in [
+        ({"grammar": "root ::= ("}, "the grammar does not compile: "),
+        ({"grammar": 5}, 'grammar is 5; send a grammar in GBNF (root ::= "yes" | "no") or Lark'),
+        ({"grammar": GBNF, "response_format": fmt}, "grammar and response_format both constrain the answer"),
+    ]:
+        reply = httpx.post(f"{served}/v1/chat/completions", json={"model": "smollm2", "messages": messages, **extra})
+        assert (reply.status_code, reply.json()["error"]["param"]) == (400, "grammar")
         assert reply.json()["error"]["message"].startswith(message)
 
 

@@ -218,7 +218,7 @@ class Generator:
         sampling (generation/speculative.py); `last_stats` counts verify steps and accepted drafts.
 
         `logit_bias` {token id: bias in [-100, 100]}, `presence_penalty` and `frequency_penalty` ([-2, 2],
-        vLLM's definition) and a JSON schema's `grammar` (`staticrt.json_schema_grammar`; stop at the eos
+        vLLM's definition) and a `grammar` (`staticrt.json_schema_grammar`, `text_grammar`; stop at the eos
         ids) bias each row's logits before its choice (generation/logit_bias.py, grammar.py). With
         `logprobs` k (0 to 20), `self.last_logprobs` holds each row's `TokenLogprob`s, the model's own
         (generation/logprobs.py), each with its k most likely tokens'; None where not asked."""

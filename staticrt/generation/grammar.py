@@ -1,9 +1,10 @@
-"""Structured output: a JSON schema (OpenAI's `response_format`) as the set of tokens each row may
-choose next, which llguidance computes on the host from the row's tokens so far (tens of µs a
-token) and the row's logit bias carries to the step graph as -inf everywhere else
-(logit_bias.py). The graph keeps its shapes; a finished document leaves only the end-of-sequence
-tokens. llguidance is the library vLLM, SGLang and llama.cpp use for this; it reads the model's
-tokenizer.json itself. Imports no torch.
+"""Structured output: a JSON schema (OpenAI's `response_format`), or a grammar a user writes in GBNF
+(llama.cpp's) or Lark (llguidance's), as the set of tokens each row may choose next, which
+llguidance computes on the host from the row's tokens so far (tens of µs a token) and the row's
+logit bias carries to the step graph as -inf everywhere else (logit_bias.py). The graph keeps its
+shapes; a finished document leaves only the end-of-sequence tokens. llguidance is the library
+vLLM, SGLang and llama.cpp use for this; it reads the model's tokenizer.json itself. Imports no
+torch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def _llguidance() -> Any:
 LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _lark(text: str) -> str:
+    """A grammar in GBNF as Lark, by llguidance's converter; one in Lark as it is."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except GbnfToLarkError as err:
+        raise ValueError(str(err)) from None
+
+
 @lru_cache(maxsize=4)
 def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Any:
     """llguidance's view of a tokenizer (~1 s to build for a 49k vocabulary): built once a model."""
@@ -42,7 +53,7 @@ def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int
 
 
 class Grammar:
-    """A compiled JSON schema for one tokenizer: each row that follows it takes its own `matcher`."""
+    """A compiled JSON schema or grammar for one tokenizer: each row that follows it takes its own `matcher`."""
 
     def __init__(
         self,
@@ -51,30 +62,39 @@ class Grammar:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         frame: tuple[str, str] = ("", ""),
+        text: str | None = None,
     ) -> None:
         """`tokenizer`: staticrt's (tokenizer.json in `tokenizer.backend`); `schema`: a JSON schema
         (a dict; {"type": "object"} for any JSON object), its document written between `frame`'s
-        two texts (a tool call's tags). A schema llguidance cannot compile is a GenerationError
-        that quotes its reason."""
+        two texts (a tool call's tags); or, with `schema` None, `text`: a grammar in GBNF
+        (`root ::= ...`) or Lark (`start: ...`). One llguidance cannot compile is a
+        GenerationError that quotes its reason."""
+        what = "a JSON schema" if text is None else "a grammar"
         if tokenizer is None:
-            raise GenerationError("a JSON schema needs the model's tokenizer.json, which this model has none of")
+            raise GenerationError(f"{what} needs the model's tokenizer.json, which this model has none of")
         if not eos_token_ids:
-            raise GenerationError(
-                "a JSON schema needs an end-of-sequence token to end its document; the model has none"
-            )
-        self._build(tokenizer.json, schema, vocab_size, tuple(eos_token_ids), tuple(frame))
+            raise GenerationError(f"{what} needs an end-of-sequence token to end its document; the model has none")
+        self._build(tokenizer.json, schema, vocab_size, tuple(eos_token_ids), tuple(frame), text)
 
     def _build(
-        self, tokenizer_json: str, schema: Any, vocab: int, eos_token_ids: tuple[int, ...], frame: tuple[str, str]
+        self,
+        tokenizer_json: str,
+        schema: Any,
+        vocab: int,
+        eos_token_ids: tuple[int, ...],
+        frame: tuple[str, str],
+        text: str | None = None,
     ) -> None:
         ll = _llguidance()
-        self.vocab_size, self._source = vocab, (tokenizer_json, schema, vocab, eos_token_ids, frame)
+        self.vocab_size, self._source = vocab, (tokenizer_json, schema, vocab, eos_token_ids, frame, text)
         try:
             self.tokenizer = _ll_tokenizer(tokenizer_json, vocab, eos_token_ids)
         except ValueError as err:  # a tokenizer it cannot take apart into bytes (WordPiece's)
             raise GenerationError(f"llguidance cannot read this model's tokenizer.json ({err})") from None
         try:
-            if frame == ("", ""):
+            if text is not None:
+                self.grammar = ll.LLMatcher.grammar_from_lark(_lark(text))
+            elif frame == ("", ""):
                 self.grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=LAYOUT)
             else:  # Lark, the JSON document a rule of it (llguidance's %json), laid out as LAYOUT says
                 framed = {**schema, "x-guidance": LAYOUT} if isinstance(schema, dict) else schema
@@ -83,10 +103,11 @@ class Grammar:
                     f"start: {before} doc {after}\ndoc: %json {json.dumps(framed)}"
                 )
             error = ll.LLMatcher.validate_grammar(self.grammar, self.tokenizer)
-        except (ValueError, TypeError, RuntimeError) as err:
+        except (ValueError, TypeError, RuntimeError) as err:  # GbnfToLarkError is a ValueError
             error = str(err)
         if error and not error.startswith("WARNING"):
-            raise GenerationError(f"the JSON schema does not compile: {' '.join(error.split())[:300]}")
+            what = "JSON schema" if text is None else "grammar"
+            raise GenerationError(f"the {what} does not compile: {' '.join(error.split())[:300]}")
 
     def matcher(self) -> RowMatcher:
         return RowMatcher(self)
@@ -120,7 +141,7 @@ class RowMatcher:
         if self.matcher.is_stopped():
             return
         if not self.matcher.consume_token(token):
-            raise GenerationError(f"token {token} does not continue the JSON schema: {self.matcher.get_error()}")
+            raise GenerationError(f"token {token} does not continue the grammar: {self.matcher.get_error()}")
 
     def forbid(self, out: np.ndarray) -> None:
         """Set `out [V]` to -inf at every token the grammar does not allow next. Bit j of word i
@@ -135,3 +156,10 @@ def json_schema_grammar(model: Any, schema: Any) -> Grammar:
     end-of-sequence ids): `gen.generate(prompts, grammar=staticrt.json_schema_grammar(model, schema))`."""
     config = model.config
     return Grammar(getattr(model, "tokenizer", None), schema, config.vocab_size, config.eos_token_ids)
+
+
+def text_grammar(model: Any, text: str) -> Grammar:
+    """The `Grammar` of a GBNF or Lark grammar for a loaded model, as `json_schema_grammar`:
+    `staticrt.text_grammar(model, 'root ::= "yes" | "no"')`."""
+    config = model.config
+    return Grammar(getattr(model, "tokenizer", None), None, config.vocab_size, config.eos_token_ids, text=text)

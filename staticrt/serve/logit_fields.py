@@ -1,7 +1,7 @@
-"""OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty` and `response_format` read from a
-request body into the rule each step adds to the row's logits (generation/logit_bias.py; a JSON
-schema as generation/grammar.py's tokens), each field refused by name where it is outside its
-bounds; and their OpenAPI schema."""
+"""OpenAI's `logit_bias`, `presence_penalty`, `frequency_penalty` and `response_format`, and
+llama.cpp's `grammar` (GBNF, or Lark), read from a request body into the rule each step adds to the
+row's logits (generation/logit_bias.py; a schema or grammar as generation/grammar.py's tokens), each
+field refused by name where it is outside its bounds; and their OpenAPI schema."""
 
 from __future__ import annotations
 
@@ -20,9 +20,14 @@ FORMAT = "response_format"
 
 def response_grammar(body: dict, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Grammar | None:
     """`response_format`'s grammar: none for text, any JSON object for "json_object", the given
-    schema for "json_schema" (OpenAI's `{"json_schema": {"name": ..., "schema": {...}}}`)."""
+    schema for "json_schema" (OpenAI's `{"json_schema": {"name": ..., "schema": {...}}}`); or the
+    `grammar` field's, as llama.cpp's server takes it."""
     asked = body.get("response_format")
     kind = asked.get("type") if isinstance(asked, dict) else None
+    if body.get("grammar") is not None:
+        if asked is not None and kind != "text":
+            raise BadRequest("grammar and response_format both constrain the answer; send one of them", "grammar")
+        return _text_grammar(body["grammar"], tokenizer, vocab_size, eos_token_ids)
     if asked is None or kind == "text":
         return None
     if kind == "json_object":
@@ -43,6 +48,18 @@ def response_grammar(body: dict, tokenizer: Any, vocab_size: int, eos_token_ids:
         return Grammar(tokenizer, schema, vocab_size, eos_token_ids)
     except GenerationError as err:
         raise BadRequest(str(err), FORMAT) from None
+
+
+def _text_grammar(text: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Grammar:
+    if not isinstance(text, str) or not text.strip():
+        raise BadRequest(
+            f'grammar is {shown(text)}; send a grammar in GBNF (root ::= "yes" | "no") or Lark (start: "yes" | "no")',
+            "grammar",
+        )
+    try:
+        return Grammar(tokenizer, None, vocab_size, eos_token_ids, text=text)
+    except GenerationError as err:
+        raise BadRequest(str(err), "grammar") from None
 
 
 def bias_fields(body: dict, vocab_size: int, grammar: Grammar | None = None) -> BiasRule | None:
@@ -86,6 +103,7 @@ def bias_schema(vocab_size: int) -> dict[str, Any]:
             ]
         },
         **{name: {"type": ["number", "null"], "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY} for name in PENALTIES},
+        "grammar": {"type": ["string", "null"], "pattern": "\\S"},  # GBNF or Lark
         FORMAT: {
             "anyOf": [
                 {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},

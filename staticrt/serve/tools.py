@@ -46,7 +46,7 @@ class Tools:
         rule = request.sampling.rule or BiasRule()
         if rule.grammar is not None:
             raise BadRequest(
-                "tool_choice forces a call and response_format a document; send one of them", "tool_choice"
+                "tool_choice forces a call and response_format or grammar a document; send one of them", "tool_choice"
             )
         calls = [
             {
