@@ -1,7 +1,8 @@
 """Structured output (issue 66): a JSON schema kept by masking, in the step's logit bias, every
 token llguidance says cannot continue a document of it (generation/grammar.py). On the real
-SmolLM2: greedy tokens equal transformers' `generate` with a logits processor over the same
-library's matcher; through the official `openai` client, `response_format` json_schema on 20
+SmolLM2, and on the tiny families through a byte-level tokenizer of their 256 tokens: greedy tokens
+equal transformers' `generate` with a logits processor over the same library's matcher; a GBNF or
+Lark grammar likewise; through the official `openai` client, `response_format` json_schema on 20
 schemas and json_object, greedy and sampled, every reply parses and validates (`jsonschema`);
 a schema that does not compile is a 400 naming the field."""
 
@@ -15,6 +16,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from conftest import FAMILIES
+from hf_models import NEW_FAMILIES
 
 import staticrt
 
@@ -169,6 +172,49 @@ def test_greedy_tokens_equal_transformers_with_the_same_librarys_mask(smollm2, h
     free = gen.generate([prompt], 20, stop_token_ids=eos)[0]
     with pytest.raises(json.JSONDecodeError):  # what the schema changed: unconstrained, it answers in prose
         json.loads(model.tokenizer.decode(free))
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer of 256 tokens, one a byte (GPT-2's byte-to-character map, no merges):
+    the tiny families' vocabulary, which llguidance reads as it reads SmolLM2's BPE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from staticrt.text.tokenizer import Tokenizer as Ours
+
+    chars = bytes_to_unicode()
+    backend = Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Ours(backend, None, {}, "bytes")
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999}, "b": {"enum": ["x", "yz"]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, *NEW_FAMILIES, "lfm2", "qwen3_moe"])
+def test_the_tiny_families_constrained_tokens_equal_transformers_with_the_same_mask(hf_checkpoints, family):
+    """Random weights under a schema: every token is the argmax of what llguidance allows, here as
+    in transformers' `generate` masked by the same matcher (token 0, the byte 0, ends the document)."""
+    from transformers import LogitsProcessorList
+
+    folder, hf = hf_checkpoints[family]
+    grammar = staticrt.Grammar(byte_tokenizer(), BOUNDED, 256, [0])
+    prompt = list(b'Answer in JSON: {"a": 7, "b": "x"} ')
+    gen = staticrt.Generator(staticrt.load_model(folder), max_cache_len=128)
+    tokens = gen.generate([prompt], 40, grammar=grammar, stop_token_ids=[0])[0]
+    ids = torch.tensor([prompt])
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+        logits_processor=LogitsProcessorList([LLGuidance(grammar)]), eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    assert tokens == out[0, len(prompt) :].tolist() and tokens[-1] == 0
+    jsonschema.validate(json.loads(bytes(tokens[:-1])), BOUNDED)
 
 
 # The same grammar in llama.cpp's GBNF and in Lark: an answer, a reason in lower case, a full stop
