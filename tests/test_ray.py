@@ -325,3 +325,33 @@ def test_the_banner_says_how_many_requests_ray_holds_beside_the_rows(server):
     """Ray counts a request as queued while it routes it, so its limit is --max-queue plus every row."""
     line = next(line for line in server.logged if line.startswith("serving tiny-llama on"))
     assert f"{QUEUE} requests queue for a row, and Ray holds up to {QUEUE + 2 * ROWS} while it routes them" in line
+
+
+def test_the_router_prefers_the_replica_that_saw_the_prefix_and_spreads_the_rest():
+    """ray_router.py's policy, without a cluster: prompts that share nothing go to the replica that
+    has seen the least (so four go two and two), a prompt goes back to the replica that saw a tenth
+    or more of it, a shorter match counts for nothing, and the other replicas rank behind the first."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from staticrt.serve.ray_ingress import call_for
+    from staticrt.serve.ray_router import BLOCK, PrefixRouter
+    from staticrt.serve.scheduler import Completion
+
+    router = PrefixRouter.__new__(PrefixRouter)  # its policy alone: Ray's own state is not needed
+    router.initialize_state()
+    a, b = (SimpleNamespace(replica_id=name) for name in "ab")
+
+    def route(prompt: list[int]) -> list[list]:
+        request = SimpleNamespace(args=[call_for(Completion(prompt, 4), 1)])
+        ranks = asyncio.run(router.choose_replicas([a, b], request))
+        router.on_request_routed(request, ranks[0][0].replica_id, None)
+        return ranks
+
+    prefixes = [list(range(30 * i + 1, 30 * i + 41)) for i in range(4)]
+    assert [route(p)[0][0] for p in prefixes] == [a, b, a, b]
+    assert [route([*p, 3, 2])[0][0] for p in prefixes] == [a, b, a, b]
+    assert route([*prefixes[1], 9])[1] == [a]  # the other replica, next in rank
+    short = [*prefixes[1][:BLOCK], *range(500, 500 + 10 * BLOCK)]  # one block of eleven matches: under a tenth
+    fewest = min((a, b), key=lambda r: router.held[r.replica_id])
+    assert fewest is a and route(short)[0][0] is a  # not b, which saw its block: a tie goes to the first

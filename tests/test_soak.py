@@ -20,7 +20,8 @@ pytest.importorskip("fastapi", reason="serving needs the serve extra: use the RE
 
 from serving import running  # noqa: E402
 
-from staticrt.bench.soak import metric, plot_soak, run_soak  # noqa: E402
+from staticrt.bench.server_process import metric  # noqa: E402
+from staticrt.bench.soak import plot_soak, run_soak  # noqa: E402
 from staticrt.bench.soak_load import SoakLoad  # noqa: E402
 from staticrt.serve import serve_backend  # noqa: E402
 
@@ -105,3 +106,22 @@ def test_a_refused_client_backs_off_as_the_openai_client_does(monkeypatch):
     gaps = [later - earlier for earlier, later in zip(sent, sent[1:])]
     assert len(sent) == 4 and all(0.75 * 2**i / 2 <= gap <= 2**i / 2 + 0.2 for i, gap in enumerate(gaps)), gaps
     assert load.statuses == {("whole", 429): 4}
+
+
+def test_the_replica_soak_reads_each_kills_recovery_from_the_answers_timeline(monkeypatch):
+    """bench/soak_replicas.py's verdict on a timeline: 20 answers a second, a kill at 30 s that
+    halves them for 12 s: the minute before gives 200 a 10-second window, and the first window
+    after the kill that holds 160 of them (80%) is [38, 48) s, 40 at the half rate and 120 at the
+    whole: it ends 18 s after the kill."""
+    import numpy as np
+
+    from staticrt.bench import soak_replicas
+
+    counts = {"staticrt_replica_lost_streams_total": 1, "staticrt_replica_retries_total": 3}
+    monkeypatch.setattr(soak_replicas, "metric", lambda url, name: counts[name])
+    times = [*np.arange(0, 30, 0.05), *np.arange(30, 42, 0.1), *np.arange(42, 90, 0.05)]
+    kills = [{"t_s": 30.0, "replica": "r (pid 1)", "holding": 2, "streaming": 1}]
+    verdict = soak_replicas.kill_summary(kills, times, "http://x")
+    assert verdict["kills"][0]["rate_before"] == pytest.approx(200, abs=1)
+    assert verdict["kills"][0]["recovery_s"] == 18.0 and verdict["slowest_recovery_s"] == 18.0
+    assert (verdict["streaming_at_kills"], verdict["lost_streams_ingress"], verdict["retried"]) == (1, 1, 3)

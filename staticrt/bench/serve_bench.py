@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
-from .serve_load import LoadRequest, run_chat_load, run_load, workload
-from .server_process import server_process
+from .serve_load import LoadRequest, workload
+from .server_process import measure_server
 
 Stage = Callable[[str], None]
 
@@ -52,6 +52,7 @@ class ServeBenchRequest:
     speculative: str | None = None  # also staticrt serve --speculative (the load's requests are greedy)
     replicas: int | None = None  # also staticrt serve --replicas N (Ray Serve), each replica the same rows
     structured: bool = False  # also staticrt serve with every request asking for a JSON object
+    kill_every_s: float | None = None  # the soak with replicas: SIGKILL one this often (soak_replicas.py)
 
     @property
     def max_cache_len(self) -> int:
@@ -98,20 +99,6 @@ def checkpoint_folder(model: str, work: Path) -> Path:
     words.decoder = decoders.WordPiece()  # joins the words with spaces
     transformers.PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(folder)
     return folder
-
-
-def measure_server(
-    command: list[str], model: str, request: ServeBenchRequest, load: Any, health: str = "/health"
-) -> dict[str, Any]:
-    """The load on the server `command` starts: `load` a list of requests, or a chat workload's
-    (system prompt, conversations); after one warm-up request, so first-use costs stay out."""
-    with server_process(command, request.threads, health=health) as (url, _):
-        if isinstance(load, tuple):
-            system, conversations = load
-            run_load(url, model, [LoadRequest("warm-up", 4)], 1, request.duration_s)  # shares no prefix
-            return run_chat_load(url, model, system, conversations, request.duration_s)
-        run_load(url, model, load[:1], 1, request.duration_s)
-        return run_load(url, model, load, request.concurrency, request.duration_s)
 
 
 def staticrt_command(folder: Path, request: ServeBenchRequest) -> list[str]:

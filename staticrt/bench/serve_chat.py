@@ -17,11 +17,11 @@ from .serve_bench import (
     ServeBenchRequest,
     Stage,
     checkpoint_folder,
-    measure_server,
     speculative_ratios,
     staticrt_command,
 )
 from .serve_load import chat_workload
+from .server_process import measure_server
 
 
 def llamacpp_command(gguf: str, request: ServeBenchRequest) -> list[str]:

@@ -1,21 +1,23 @@
 """A server under measurement: a process of its own on a free loopback port, up once its health
 endpoint answers, stopped by its process id when left (bench-serve, its chat workload and the
-soak).
+soak); a load run on it (`measure_server`) and its /metrics read (`metric`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import GenerationError
+from .serve_load import LoadRequest, run_chat_load, run_load
 
 
 def free_port() -> int:
@@ -77,3 +79,24 @@ def server_process(
         log.close()
         if not failed:
             os.unlink(log.name)
+
+
+def measure_server(command: list[str], model: str, request: Any, load: Any, health: str = "/health") -> dict[str, Any]:
+    """The load on the server `command` starts (`request`: a `ServeBenchRequest`): `load` a list of
+    requests, or a chat workload's (system prompt, conversations); after one warm-up request, so
+    first-use costs stay out."""
+    with server_process(command, request.threads, health=health) as (url, _):
+        if isinstance(load, tuple):
+            system, conversations = load
+            run_load(url, model, [LoadRequest("warm-up", 4)], 1, request.duration_s)  # shares no prefix
+            return run_chat_load(url, model, system, conversations, request.duration_s)
+        run_load(url, model, load[:1], 1, request.duration_s)
+        return run_load(url, model, load, request.concurrency, request.duration_s)
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of the server's /metrics."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))

@@ -4,30 +4,23 @@ reading, arrive in bursts past the queue, send prompts near the end of the conte
 garbage, greedy and sampled. Every `interval_s` it records the server process's RSS, descriptors
 and threads, its busy rows and queue (/metrics), the streams' time to first token and inter-token
 latency, and the answers' statuses; the report says whether anything grew, slowed or failed.
-`bench-serve --workload soak` runs it on a server process; tests/test_soak.py on one in-process.
-The clients are soak_load.py's.
+`bench-serve --workload soak` runs it on a server process (with `--replicas`, on Ray, replicas killed
+as it goes: soak_replicas.py); tests/test_soak.py on one in-process. The clients are soak_load.py's.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .server_process import metric
 from .soak_load import SoakLoad
-
-
-def metric(url: str, name: str) -> float:
-    """One sample of the server's /metrics."""
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
 
 
 def process_sample(pid: int) -> dict[str, float]:
@@ -43,9 +36,37 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50_ms": float(np.percentile(values, 50)) * 1e3, "p99_ms": float(np.percentile(values, 99)) * 1e3}
 
 
-def run_soak(load: SoakLoad, pid: int, clients: int, duration_s: float, interval_s: float) -> dict[str, Any]:
+def server_probe(url: str, pid: int) -> dict[str, float]:
+    """A plain server's sample: its process's numbers, its busy rows, queue and host pool (/metrics)."""
+    return {
+        **process_sample(pid),
+        "pool_mb": metric(url, "staticrt_prefix_pool_bytes") / 2**20,  # grows to --cache-ram by design
+        "busy_rows": metric(url, "staticrt_busy_rows"),
+        "queue": metric(url, "staticrt_queue_length"),
+    }
+
+
+def _answer(status: int) -> str:
+    """An answer's column in a sample: 502 is a stream ended by an error event (a replica lost)."""
+    if status == 0:
+        return "none"
+    if status == 502:
+        return "lost"
+    return "5xx" if status >= 500 else "429" if status == 429 else f"{status // 100}xx"
+
+
+def run_soak(
+    load: SoakLoad,
+    pid: int,
+    clients: int,
+    duration_s: float,
+    interval_s: float,
+    probe: Callable[[], dict[str, float]] | None = None,
+) -> dict[str, Any]:
     """`clients` clients for `duration_s` seconds, a sample every `interval_s`; then the server is
-    given 30 s to free its rows. The report's `samples` are the timeline, `summary` the verdict."""
+    given 30 s to free its rows. `probe` reads the server's numbers (`server_probe` of `pid` by
+    default). The report's `samples` are the timeline, `summary` the verdict."""
+    probe = probe or (lambda: server_probe(load.url, pid))
     samples: list[dict[str, Any]] = []
     start = time.monotonic()
     taken: Counter = Counter()
@@ -57,15 +78,10 @@ def run_soak(load: SoakLoad, pid: int, clients: int, duration_s: float, interval
         taken.update(new)
         answers: Counter = Counter()
         for (_, status), n in new.items():
-            answers[
-                "none" if status == 0 else "5xx" if status >= 500 else "429" if status == 429 else f"{status // 100}xx"
-            ] += n
-        busy = (metric(load.url, "staticrt_busy_rows"), metric(load.url, "staticrt_queue_length"))
-        pool_mb = metric(load.url, "staticrt_prefix_pool_bytes") / 2**20  # grows to --cache-ram by design
+            answers[_answer(status)] += n
         samples.append(
-            {"t_s": round(time.monotonic() - start, 1), **process_sample(pid), "pool_mb": pool_mb,
-             "busy_rows": busy[0], "queue": busy[1], "ttft": _percentiles(ttft), "itl": _percentiles(itl),
-             "answers": dict(answers)}
+            {"t_s": round(time.monotonic() - start, 1), **probe(), "ttft": _percentiles(ttft),
+             "itl": _percentiles(itl), "answers": dict(answers)}
         )  # fmt: skip
 
     sample()
@@ -81,13 +97,13 @@ def run_soak(load: SoakLoad, pid: int, clients: int, duration_s: float, interval
             future.result()
     load.close()  # its idle connections too: the server's descriptors are counted next
     settle = time.monotonic() + 30
-    while (metric(load.url, "staticrt_busy_rows"), metric(load.url, "staticrt_queue_length")) != (0, 0):
+    while (now := probe())["busy_rows"] or now["queue"]:
         if time.monotonic() > settle:
             break
         time.sleep(0.2)
     sample()
     statuses = {f"{kind} {status}": n for (kind, status), n in sorted(load.statuses.items())}
-    return {"samples": samples, "statuses": statuses, "summary": summary(samples)}
+    return {"samples": samples, "statuses": statuses, "no_answer": dict(load.failures), "summary": summary(samples)}
 
 
 def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -106,6 +122,7 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "rss_less_pool_end_over_warm": (end["rss_mb"] - end["pool_mb"]) / (warm["rss_mb"] - warm["pool_mb"]),
         "itl_p99_last_over_first": (p99(last) / p99(first)) if p99(last) and p99(first) else None,
         "server_errors": sum(s["answers"].get("5xx", 0) for s in samples),
+        "lost_streams": sum(s["answers"].get("lost", 0) for s in samples),  # ended by an error event
         "unanswered": sum(s["answers"].get("none", 0) for s in samples),  # no answer within 120 s
         "rows_busy_at_end": end["busy_rows"],
         "queue_at_end": end["queue"],
@@ -115,7 +132,8 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot_soak(report: dict[str, Any], path: str) -> None:
-    """The timeline as four panels: memory, descriptors and threads, latency, answers."""
+    """The timeline as four panels: memory, descriptors and threads, latency, answers; a red line
+    at each replica killed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,11 +155,14 @@ def plot_soak(report: dict[str, Any], path: str) -> None:
     axes[2].set_ylabel("ms")
     axes[2].set_yscale("log")
     axes[2].legend(fontsize=7)
-    for answer in ("2xx", "4xx", "429", "5xx", "none"):
+    for answer in ("2xx", "4xx", "429", "5xx", "lost", "none"):
         axes[3].plot(minutes, [s["answers"].get(answer, 0) for s in samples], label=answer)
     axes[3].set_ylabel("answers / sample")
     axes[3].set_xlabel("minutes")
     axes[3].legend()
+    for kill in report.get("replicas", {}).get("kills", []):  # the soak with replicas killed
+        for axis in axes:
+            axis.axvline(kill["t_s"] / 60, color="red", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -157,6 +178,7 @@ def run_soak_bench(request: Any, on_stage: Any = lambda _: None) -> dict[str, An
     from .machine import machine
     from .serve_bench import checkpoint_folder, staticrt_command
     from .server_process import server_process
+    from .soak_replicas import ReplicaKiller, kill_summary, ray_probe
 
     interval = max(5.0, min(60.0, request.duration_s / 10))
     with tempfile.TemporaryDirectory(prefix="staticrt-soak-") as work:
@@ -168,12 +190,25 @@ def run_soak_bench(request: Any, on_stage: Any = lambda _: None) -> dict[str, An
         rows = request.max_batch_size
         command = [*staticrt_command(folder, request), "--max-queue", str(rows)]  # the last wins
         command += ["--speculative", request.speculative] if request.speculative else []
+        command += ["--replicas", str(request.replicas)] if request.replicas else []
         on_stage(f"staticrt serve ({request.backend}; starting, compiling)")
         with server_process(command, request.threads) as (url, pid):
             context, answer = request.max_cache_len, 8  # a long prompt's answer is under 8 tokens
             fits = [n for n in range(1, context) if chunk_end(request.prefill_buckets, n) <= context - answer]
             load = SoakLoad(url, "bench", vocab, rows, rows, context, longest=max(fits))
             on_stage(f"{request.concurrency} clients for {request.duration_s:g} s, a sample every {interval:g} s")
-            soak = run_soak(load, pid, request.concurrency, request.duration_s, interval)
+            probe = (lambda: ray_probe(url, pid)) if request.replicas else None
+            start = time.monotonic()
+            killer = None
+            if request.kill_every_s:  # the CLI allows it only with replicas
+                killer = ReplicaKiller(url, request.kill_every_s, start, start + request.duration_s)
+                killer.start()
+            try:
+                soak = run_soak(load, pid, request.concurrency, request.duration_s, interval, probe)
+            finally:
+                if killer is not None:
+                    killer.stop()
+            if killer is not None:
+                soak["replicas"] = kill_summary(killer.kills, [t - start for t in load.answered_at], url)
     settings = {**request.__dict__, "max_cache_len": request.max_cache_len, "sample_s": interval}
     return {"settings": settings, "machine": machine(), "results": {"staticrt": soak}}

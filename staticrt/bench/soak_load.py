@@ -34,8 +34,10 @@ class SoakLoad:
     context: int
     longest: int | None = None
     statuses: Counter = field(default_factory=Counter)  # (kind, status) -> count
+    failures: Counter = field(default_factory=Counter)  # status 0's httpx exception -> count
     ttft_s: list[float] = field(default_factory=list)  # since the last sample
     itl_s: list[float] = field(default_factory=list)
+    answered_at: list[float] = field(default_factory=list)  # when each whole answer or stream came whole (monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _http: Any = None  # one httpx.Client for every simulated client (`http`)
 
@@ -67,11 +69,20 @@ class SoakLoad:
 
     def whole(self, rng: random.Random) -> int:
         body = self.body(rng, long=rng.random() < 0.3)
-        return self.http.post("/v1/completions", json=body).status_code
+        status = self.http.post("/v1/completions", json=body).status_code
+        if status == 200:
+            self._answered()
+        return status
+
+    def _answered(self) -> None:
+        with self.lock:
+            self.answered_at.append(time.monotonic())
 
     def stream(self, rng: random.Random, cancel: bool) -> int:
         """A stream read to its `[DONE]` (timed; its last chunk must carry a finish reason), or
-        left after its first chunk while it has the rest of the context to go."""
+        left after its first chunk while it has the rest of the context to go. One that ends in an
+        error event (a replica that died after streaming) counts as 502, one that ends without
+        either as 599."""
         body = self.body(rng) | {"stream": True}
         if cancel:
             body["max_tokens"] = self.context - len(body["prompt"])
@@ -85,8 +96,11 @@ class SoakLoad:
                     times.append(time.perf_counter())
                     if cancel:
                         return 200
+        if len(events) > 1 and events[-1] == "data: [DONE]" and events[-2].startswith('data: {"error"'):
+            return 502  # ended by a named error: the stream was lost, not left hanging
         if events[-1] != "data: [DONE]" or '"finish_reason":"' not in events[-2].replace(" ", ""):
             return 599  # a stream that ended without its finish: counted as a server error
+        self._answered()
         with self.lock:
             self.ttft_s.append(times[0] - start)
             self.itl_s.extend(np.diff(times[:-2]).tolist())  # between token chunks, not to the finish
@@ -130,8 +144,10 @@ class SoakLoad:
                     got = [self.stream(rng, cancel=kind == "cancel")]
                 else:
                     got = [{"whole": self.whole, "leave": self.leave, "garbage": self.garbage}[kind](rng)]
-            except httpx.HTTPError:
+            except httpx.HTTPError as err:  # what it was tells a hang (ReadTimeout) from a cut connection
                 got = [0]
+                with self.lock:
+                    self.failures[type(err).__name__] += 1
             with self.lock:
                 self.statuses.update((kind, status) for status in got)
             refused = refused + 1 if 429 in got else 0

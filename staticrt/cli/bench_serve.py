@@ -11,11 +11,14 @@ from ..bench.machine import describe
 from ..bench.serve_bench import ServeBenchRequest, run_serve_bench
 from ..bench.serve_chat import run_chat_bench
 from ..bench.soak import plot_soak, run_soak_bench
+from ..errors import ConfigError
 from .console import console, progress, show_table
 from .session import model_device
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    if args.kill_every is not None and (args.workload != "soak" or not args.replicas):
+        raise ConfigError("--kill-every kills replicas during a soak: give it with --workload soak --replicas N")
     transformers = not args.no_transformers and importlib.util.find_spec("transformers") is not None
     if not args.no_transformers and not transformers:
         console.print("[yellow]transformers is not installed: skipping transformers serve[/]")
@@ -40,6 +43,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         structured=args.structured,
         replicas=args.replicas,
+        kill_every_s=args.kill_every,
     )
     if request.workload == "soak":
         return _soak(request, args)
@@ -73,7 +77,15 @@ def _soak(request: ServeBenchRequest, args: argparse.Namespace) -> int:
     if args.plot:
         plot_soak(soak, str(args.plot))
         console.print(f"wrote {args.plot}")
-    return 0 if verdict["server_errors"] == verdict["unanswered"] == verdict["rows_busy_at_end"] == 0 else 1
+    if "replicas" in soak:
+        kills = soak["replicas"]
+        console.print(
+            f"{len(kills['kills'])} replicas killed, streaming {kills['streaming_at_kills']}; streams lost "
+            f"{verdict['lost_streams']}, requests sent again {kills['retried']:g}, slowest recovery "
+            f"{kills['slowest_recovery_s']} s"
+        )
+    lost = verdict["lost_streams"] if "replicas" not in soak else 0  # only a killed replica may lose a stream
+    return 0 if verdict["server_errors"] == verdict["unanswered"] == verdict["rows_busy_at_end"] == lost == 0 else 1
 
 
 def _ms(stats: dict[str, Any] | None, key: str) -> Any:

@@ -226,7 +226,17 @@ def _add_bench_workload(bench: Any) -> None:
         "--replicas",
         type=POSITIVE,
         default=None,
-        help="also measure staticrt serve --replicas N on a local Ray instance (the ray extra): what Ray adds",
+        help="also measure staticrt serve --replicas N on a local Ray instance (the ray extra): what Ray adds; "
+        "with --workload soak, soak that server instead",
+    )
+    bench.add_argument(
+        "--kill-every",
+        type=POSITIVE,
+        default=None,
+        metavar="SECONDS",
+        help="with --workload soak --replicas N: SIGKILL the replica holding the most requests this often; the "
+        "report says the streams lost beside those it was streaming, the requests sent again, and the seconds "
+        "until answers came back to their rate before each kill",
     )
     bench.add_argument(
         "--structured",

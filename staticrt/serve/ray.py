@@ -2,9 +2,9 @@
 cache's rows, `max_ongoing_requests` = rows), behind the same OpenAI app as `staticrt serve`
 (`Ingress`, app.py), which reaches the replicas through a streaming handle (`Replicas`).
 
-The handle call carries the prompt (`EngineCall.prompt`: its token ids as characters), so Ray's
-prefix-cache-affinity router sends a request to the replica whose rows saw its prefix while the
-replicas' loads are even. Ray queues what no replica has a row for, up to `max_queued_requests`,
+The handle call carries the prompt (`EngineCall.prompt`: its token ids as characters), so the
+request router (ray_router.py: Ray's prefix-cache-affinity policy, kept in the ingress) sends a
+request to the replica whose rows saw its prefix. Ray queues what no replica has a row for, up to `max_queued_requests`,
 and refuses the rest (HTTP 429). Ray's controller replaces a replica that dies; what becomes of
 the requests it held is ray_ingress.py's.
 
@@ -25,8 +25,7 @@ from ..errors import StaticrtError
 from .job import Event
 from .ray_ingress import EngineCall, Ingress, refusal_status
 
-# Ray's prefix-affinity router; importing it through ray.serve.llm would import pyarrow and more.
-PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+PREFIX_ROUTER = "staticrt.serve.ray_router.PrefixRouter"  # Ray imports it in the ingress
 
 
 class Engine:
