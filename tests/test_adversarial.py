@@ -508,3 +508,21 @@ def test_artifact_permissions_follow_the_umask(tmp_path, model, umask):
     modes = {p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")] if p.is_dir()}
     assert modes == {0o777 & ~umask}
     assert {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {0o666 & ~umask}
+
+
+def test_a_program_written_into_a_folder_stays_executable(tmp_path):
+    """bench-serve's llama-server is built into the user cache by `write_folder`: the umask's modes,
+    with the execute bits its builder gave it kept."""
+    from staticrt.artifacts.write import write_folder
+
+    def build(folder):
+        (folder / "program").write_text("#!/bin/sh\n")
+        (folder / "program").chmod(0o755)
+        (folder / "notes.txt").write_text("x")
+
+    old = os.umask(0o022)
+    try:
+        out = write_folder(tmp_path / "built", build)
+    finally:
+        os.umask(old)
+    assert ((out / "program").stat().st_mode & 0o777, (out / "notes.txt").stat().st_mode & 0o777) == (0o755, 0o644)

@@ -191,11 +191,13 @@ def _terminate_raises() -> Iterator[Callable[[], None]]:
 
 
 def _apply_umask(folder: Path) -> None:
-    """mkdtemp makes 0700 folders and some writers 0600 files; an artifact is shared like any output."""
+    """mkdtemp makes 0700 folders and some writers 0600 files; an artifact is shared like any output.
+    A file its writer made executable (a built program) stays executable."""
     umask = os.umask(0)
     os.umask(umask)
     for path in [folder, *folder.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        runs = path.is_dir() or path.stat().st_mode & 0o100
+        path.chmod((0o777 if runs else 0o666) & ~umask)
 
 
 def _swap_into_place(work: Path, target: Path) -> None:

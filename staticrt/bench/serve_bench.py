@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GenerationError
+from .llama_server import llama_server_result
 from .serve_load import LoadRequest, workload
 from .server_process import measure_server
 
@@ -53,6 +54,7 @@ class ServeBenchRequest:
     replicas: int | None = None  # also staticrt serve --replicas N (Ray Serve), each replica the same rows
     structured: bool = False  # also staticrt serve with every request asking for a JSON object
     kill_every_s: float | None = None  # the soak with replicas: SIGKILL one this often (soak_replicas.py)
+    quantize: str | None = None  # staticrt serve --quantize: the weight width of the GGUF it is compared with
 
     @property
     def max_cache_len(self) -> int:
@@ -107,6 +109,7 @@ def staticrt_command(folder: Path, request: ServeBenchRequest) -> list[str]:
     command += ["--max-batch-size", str(request.max_batch_size), "--max-cache-len", str(request.max_cache_len)]
     command += ["--prefill-buckets", ",".join(map(str, request.prefill_buckets)), "--served-model-name", "bench"]
     command += ["--max-queue", str(request.requests), "--stream-interval", str(request.stream_interval)]
+    command += ["--quantize", request.quantize] if request.quantize not in (None, "none") else []
     return command + (["--threads", str(request.threads)] if request.threads else [])
 
 
@@ -194,6 +197,8 @@ def run_serve_bench(request: ServeBenchRequest, on_stage: Stage = lambda _: None
                 )
             except GenerationError as err:
                 results["transformers"] = {"error": str(err)}
+        if request.model.endswith(".gguf"):
+            results["llama_server"] = llama_server_result(request, load, on_stage)
         on_stage(f"one request at a time through Generator.generate ({len(load)} requests)")
         results["one_at_a_time"] = one_at_a_time(folder, request, load)
     rates = {k: v.get("output_tokens_per_s") for k, v in results.items()}

@@ -44,6 +44,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         structured=args.structured,
         replicas=args.replicas,
         kill_every_s=args.kill_every,
+        quantize=args.quantize,
     )
     if request.workload == "soak":
         return _soak(request, args)

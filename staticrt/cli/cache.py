@@ -14,6 +14,8 @@ def _what(entry: Entry) -> str:
     """A line on what an entry holds: a graph's model and shape, a converted checkpoint's source."""
     if entry.kind == "gguf":
         return f"checkpoint converted from {entry.path.name.rsplit('-', 1)[0]}.gguf"
+    if entry.kind == "llama.cpp":
+        return "llama-server and llama-bench built for this CPU (bench-serve's llama.cpp contender)"
     try:
         fields = json.loads((entry.path / "entry.json").read_text())["fields"]
         config, (width, choice, _), cache = fields["config"], fields["graph"], fields["cache"]

@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  staticrt cache clear --kind graphs",
     )
     cache.add_argument("action", choices=("list", "clear"))
-    cache.add_argument("--kind", choices=("all", "graphs", "gguf"), default="all", help="which entries (default all)")
+    cache.add_argument(
+        "--kind", choices=("all", "graphs", "gguf", "llama.cpp"), default="all", help="which entries (default all)"
+    )
     cache.add_argument(
         "--older-than", type=float, default=None, metavar="DAYS", help="clear: only entries unused this many days"
     )

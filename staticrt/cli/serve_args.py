@@ -12,6 +12,7 @@ from .args import (
     add_device_arg,
     add_format_arg,
     add_model_args,
+    add_quantize_arg,
     add_speculative_arg,
     prompt_ids,
 )
@@ -182,6 +183,7 @@ def _add_bench_serve_parser(sub: Any) -> None:
         "--duration", type=POSITIVE, default=600, help="seconds after which no request starts, per server (600)"
     )
     bench.add_argument("--seed", type=NON_NEGATIVE, default=0)
+    add_quantize_arg(bench)  # staticrt serve's, to compare at a GGUF's weight width
     bench.add_argument(
         "--stream-interval",
         type=POSITIVE,
