@@ -136,7 +136,7 @@ def one_at_a_time(folder: Path, request: ServeBenchRequest, load: list[LoadReque
 
     if request.threads:
         torch.set_num_threads(request.threads)
-    model = load_model(folder, device=request.device)
+    model = load_model(folder, device=request.device, quantize=request.quantize)
     longest = request.max_cache_len - request.output_range[1]  # a generate prefills in one step, unchunked
     gen = Generator(
         model,

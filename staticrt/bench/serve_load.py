@@ -112,7 +112,8 @@ async def _one(client: Any, url: str, model: str, request: LoadRequest) -> Recor
     start = last = time.perf_counter()
     chunks = 0
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        reply = await _sent(client, f"{url}/v1/completions", body)
+        try:
             if reply.status_code != 200:
                 record.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:200]}"
                 return record
@@ -135,10 +136,33 @@ async def _one(client: Any, url: str, model: str, request: LoadRequest) -> Recor
                     last, chunks = now, chunks + len(choices[0].get("token_ids") or [0])
                 if "error" in chunk:
                     record.error = str(chunk["error"])[:200]
+        finally:
+            await reply.aclose()
     except Exception as err:  # a failed request is a result too, reported with the rest
         record.error = f"{type(err).__name__}: {err}"
     record.tokens, record.last = record.tokens or chunks, last - start
     return record
+
+
+# A kept-alive connection the server closed as the request went out on it has no answer (httpx:
+# "Server disconnected without sending a response"; llama-server did so to 5 of 64 requests from 16
+# clients): sent again, as the `openai` client sends again on a connection error (twice by default).
+CONNECTION_RETRIES = 2
+
+
+async def _sent(client: Any, url: str, body: dict) -> Any:
+    """The response to the POST of `body`, its body still to read (the caller closes it); sent
+    again where the connection failed before any answer."""
+    import httpx
+
+    failed = 0
+    while True:
+        try:
+            return await client.send(client.build_request("POST", url, json=body), stream=True)
+        except (httpx.RemoteProtocolError, httpx.ConnectError):
+            failed += 1
+            if failed > CONNECTION_RETRIES:
+                raise
 
 
 async def _load(
