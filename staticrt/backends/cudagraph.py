@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..generation.logprobs import StepLogprobs
 from ..generation.params import SamplingParams
 from .compiled import CompiledBackend
 from .eager import EagerBackend
@@ -53,7 +52,7 @@ from .graph_capture import (
     uniform_input,
     warm_and_capture,
 )
-from .step import StepFn, choice_candidates, starts_fresh, step_choice
+from .step import StepFn, choice_candidates, put_logprobs, starts_fresh, step_choice
 
 _WARNED = False
 
@@ -134,7 +133,7 @@ class CudaGraphBackend(CompiledBackend):
         self.copied.synchronize()
         next_ids = self.host_ids.numpy().copy()
         if sink is not None:  # a step with log-probabilities never runs ahead: its buffers hold them still
-            sink.put(StepLogprobs(*(t.cpu().numpy() for t in output[1:])))
+            put_logprobs(sink, output[1:])
         if seq_len == 1:  # the graph left these in its own input buffers, or fed them to the step ahead
             fed = (next_ids.reshape(batch, 1), write_index + 1)
             if launched:

@@ -131,6 +131,10 @@ def host_ids(result: Any, sink: LogprobSink | None) -> np.ndarray:
     it was asked for log-probabilities (`sink`), `result` holds them after the ids and they go there."""
     if sink is None:
         return result.cpu().numpy()
-    ids, *logprobs = (t.cpu().numpy() for t in result)
-    sink.put(StepLogprobs(*logprobs))
-    return ids
+    put_logprobs(sink, result[1:])
+    return result[0].cpu().numpy()
+
+
+def put_logprobs(sink: LogprobSink, tensors: Any) -> None:
+    """A step's log-probabilities (`run_step`'s outputs after the ids) on the host, into `sink`."""
+    sink.put(StepLogprobs(*(t.cpu().numpy() for t in tensors)))

@@ -262,6 +262,13 @@ class Plan:
             uniforms,
         )
 
+    def entry(self, job: Job, token: int) -> TokenLogprob | None:
+        """`job`'s log-probabilities of its `token` from this step, where it asked (never in a
+        verify step: a row that asks drafts nothing)."""
+        if self.logprobs is None or job.top_logprobs is None:
+            return None
+        return self.logprobs.entry(self.slot[job], token, job.top_logprobs)
+
     def run(self) -> np.ndarray:
         """The step: each row's next token `[B]`, or in a verify step the token after each position `[B, T]`."""
         if self.drafts is not None:

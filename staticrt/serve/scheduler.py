@@ -260,10 +260,7 @@ class Scheduler:
                 if job.row is None or self.rows[job.row] is not job:
                     break  # finished at an earlier token of this step (a stop)
                 self.metrics.observe_token(job)
-                asked = plan.logprobs is not None and job.top_logprobs is not None  # never in a verify step
-                self._deliver(
-                    job, token, plan.logprobs.entry(plan.slot[job], token, job.top_logprobs) if asked else None
-                )
+                self._deliver(job, token, plan.entry(job, token))
         return [len(chosen[job]) for job in plan.finishing]
 
     def _deliver(self, job: Job, token: int, entry: TokenLogprob | None = None) -> None:
