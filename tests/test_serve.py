@@ -450,7 +450,8 @@ def test_a_server_start_numbers_every_graph_it_builds_in_one_count(llama):
 
     prefiller = counted(generator(llama, rows=1).backend)
     serve_backend(counted(generator(llama).backend), name=MODEL, prefiller=prefiller)
-    total = len(announced)  # the rows' decode graph, the prefiller's buckets, each also continuing (prefix reuse)
-    assert total == 1 + 2 * len(prefiller.buckets) >= 3
+    # the rows' decode graph, the prefiller's (a row decoding alone), its buckets, each also continuing (prefix reuse)
+    total = len(announced)
+    assert total == 2 + 2 * len(prefiller.buckets) >= 4
     assert announced[0] == f"1 of {total}"
     assert announced[1:] == [f"{i} of {total}; about {2 * (total - i + 1)} s left" for i in range(2, total + 1)]

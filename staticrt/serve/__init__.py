@@ -128,7 +128,7 @@ def _graph_plan(
             plan.append((backend, (*backend.buckets, 1), {"do_sample": do_sample, "continuing": True}))
         else:
             plan.append((backend, (1,), {"do_sample": do_sample}))
-            plan.append((prefiller, prefiller.buckets, {"do_sample": do_sample}))
+            plan.append((prefiller, (*prefiller.buckets, 1), {"do_sample": do_sample}))  # 1: a row decoding alone
             widths = {*chunk_widths(prefiller), *(reuse_widths(prefiller) if reuse_prefix else ())}
             plan.append((prefiller, tuple(sorted(widths)), {"do_sample": do_sample, "continuing": True}))
         if spec is not None:

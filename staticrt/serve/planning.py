@@ -1,8 +1,9 @@
 """One step's plan over a server's rows (scheduler.py): which jobs it runs, at which positions,
 and which of them get a token from it. Prefill and decode steps alternate; a prompt is prefilled
 alone in a batch-1 prefiller where there is one, else beside the rows it shares a bucket with,
-while the decoding rows sit out with their padding past their length. With speculation, a decode
-step becomes a verify step where some decoding rows drafted tokens.
+while the decoding rows sit out with their padding past their length; a row decoding alone
+decodes in the prefiller too. With speculation, a decode step becomes a verify step where some
+decoding rows drafted tokens.
 Imports no torch."""
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def plan_step(
             plan = _alone(backend, prefiller, prefilling, memory.widest)
         if plan is not None:
             return plan, True
+    if drafting is None and prefiller is not None and len(jobs) == len(decoding) == 1:
+        return _lone(prefiller, decoding[0]), False
     plan = None if drafting is None else _verify_plan(backend, memory, rows, decoding, prefilling, drafting)
     return plan or _decode_plan(backend, memory, rows, decoding, prefilling), False
 
@@ -110,6 +113,17 @@ def _alone(backend: StepBackend, prefiller: StepBackend, prefilling: list[Job], 
     plan.adopt = head
     plan.finishing = [head] if head.fed + take == len(head.request.prompt) else []
     plan.choose(plan.finishing)
+    return plan
+
+
+def _lone(prefiller: StepBackend, job: Job) -> Plan:
+    """A decode step of the only busy row in the batch-1 prefiller (prefiller_row.py keeps the two
+    copies of the row in step): a [B, 1] step would spend B rows' compute on one (SmolLM2 int4, 8
+    rows: 21 tok/s for one client against 110 alone, docs/measurements.md)."""
+    plan = Plan(prefiller, 1)
+    plan.add(job, [job.tokens[-1]], job.position, slot=0)
+    plan.finishing = [job]
+    plan.choose([job])
     return plan
 
 

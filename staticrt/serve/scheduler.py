@@ -9,12 +9,13 @@ steps, one token for decode steps), so nothing recompiles and CUDA graphs stay v
 Prefill and decode steps alternate rather than share a step: a row decodes in the same width-1
 graph as a lone generation, so greedy tokens equal a lone run's. With a prefiller (a batch-1
 backend over the same model, which a model backend has and an artifact has not) a prompt is
-prefilled alone there and its cache row copied into the job's row (`adopt_row`): a `[B, T]`
-prefill step would spend B rows' compute on one prompt. Without one, in a prefill step the decoding
-rows sit out (`num_new` 0), and their write of padding lands past their length, where their mask
-hides it until a real token overwrites it; a prefill step of width T waits until every decoding
-row has T positions left. A freed row is not cleared: masks are computed from positions, and its
-next occupant writes every position it attends to before it attends to it.
+prefilled alone there and its cache row copied into the job's row (`adopt_row`): a `[B, T]` prefill
+step would spend B rows' compute on one prompt. A row decoding alone decodes there too;
+prefiller_row.py copies the row only when the other cache is about to read it. Without a prefiller,
+in a prefill step the decoding rows sit out (`num_new` 0), and their write of padding lands past
+their length, where their mask hides it until a real token overwrites it; a prefill step of width T
+waits until every decoding row has T positions left. A freed row is not cleared: masks are computed
+from positions, and its next occupant writes every position it attends to before it attends to it.
 
 A request is seated in the free row that holds the longest prefix of its prompt and prefills only
 the rest; a freed row keeps its contents until it is reused, and then in a host pool (rows.py).
@@ -47,6 +48,7 @@ from ..generation.speculative import accepted
 from .job import Completion, Event, Job, Plan, check_request
 from .metrics import Metrics
 from .planning import Drafting, plan_step
+from .prefiller_row import PrefillerRow
 from .rows import RowMemory, Saved
 
 # The stepping thread may be the main one (`run`), the only one where Python runs a signal's
@@ -80,6 +82,7 @@ class Scheduler:
     ) -> None:
         self.backend = backend
         self.prefiller = prefiller  # batch 1, same model and cache layout; its row is copied into ours
+        self.mirror = PrefillerRow(backend, prefiller)
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
@@ -173,17 +176,16 @@ class Scheduler:
                 plan, self.last_prefilled = plan_step(
                     self.backend, self.prefiller, self.memory, self.rows, self.last_prefilled, self.drafting
                 )
-                if plan.adopt is not None and plan.adopt.fed > 0:  # the prefiller continues the job's row
-                    self.prefiller.adopt_row(0, self.backend, plan.adopt.row)
+                self.mirror.before(plan)
                 next_ids = plan.run()
                 seconds = time.perf_counter() - start
-                if plan.adopt is not None:
-                    self.backend.adopt_row(plan.adopt.row, self.prefiller, plan.slot[plan.adopt])
+                self.mirror.after(plan)
                 taken = self._advance(plan, next_ids)
                 if self.drafting is not None and not self.last_prefilled:
                     self.drafting.policy.timed(seconds, taken if plan.drafts is not None else None)
             except Exception as err:  # a failed step fails its own rows (all, if planning failed); serving goes on
                 self.memory.forget()  # a step cut short leaves no row's contents known
+                self.mirror.forget()
                 message = f"the step failed: {type(err).__name__}: {err}"
                 members = plan.members if plan is not None else self.rows
                 for job in [j for j in members if j is not None and self.rows[j.row] is j]:  # not yet finished
@@ -215,6 +217,7 @@ class Scheduler:
 
     def _seat(self, job: Job, row: int, kept: int = 0, saved: Saved | None = None) -> None:
         """`job` takes `row`, keeping `kept` prompt tokens of what it holds (of `saved`'s, restored there)."""
+        self.mirror.seating(row, reads=self.memory.pool_bytes > 0, restores=saved is not None)
         kept = self.memory.seat(row, kept, job.order, saved)  # the row is the job's only once seated
         self.rows[row], job.row, job.fed, job.kept = job, row, kept, kept
         self.metrics.pool_restores.inc(saved is not None and kept > 0)  # 0: the pool failed, nothing restored

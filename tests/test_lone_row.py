@@ -1,0 +1,96 @@
+"""A row decoding alone decodes in the batch-1 prefiller (planning.py's `_lone`), and its cache row
+is copied between the prefiller and the server's rows only when the other side is about to read it
+(serve/prefiller_row.py). The tokens stay a lone generate's through every hand-over."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import staticrt
+
+pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
+
+SYSTEM = list(range(100, 112))
+
+
+class Recorder:
+    """Wraps a backend's `step` and `adopt_row`: which backend stepped (and how wide), and each copy."""
+
+    def __init__(self, rows, prefiller, delay_s: float = 0.0):
+        self.events: list[str] = []
+        self.lock = threading.Lock()
+        for name, backend in (("rows", rows), ("prefiller", prefiller)):
+            self._wrap(backend, name, delay_s if name == "prefiller" else 0.0)
+
+    def _wrap(self, backend, name: str, delay_s: float) -> None:
+        step, adopt = backend.step, backend.adopt_row
+
+        def stepped(input_ids, *args, **kwargs):
+            with self.lock:
+                self.events.append(f"{name}:{input_ids.shape[1]}")
+            time.sleep(delay_s if input_ids.shape[1] == 1 else 0.0)
+            return step(input_ids, *args, **kwargs)
+
+        def adopted(row, source, source_row):
+            with self.lock:
+                self.events.append(f"copy into {name}")
+            return adopt(row, source, source_row)
+
+        backend.step, backend.adopt_row = stepped, adopted
+
+    def take(self) -> list[str]:
+        with self.lock:
+            events, self.events = self.events, []
+        return events
+
+
+def test_one_client_decodes_in_the_prefiller_and_a_second_one_hands_the_row_back(hf_checkpoints):
+    """Two rows. One client, two turns of a conversation: every step runs in the prefiller (its
+    prompts, then its decode steps) and nothing is copied, the second turn keeping the first's
+    row. Then a third turn streams while a second client asks: the row is copied back before the
+    second client's prompt takes the prefiller, both decode in the rows' backend, and once the
+    second client is done the first decodes alone again, its row copied into the prefiller.
+    Every answer is a lone generate's."""
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    model = staticrt.load_model(hf_checkpoints["llama"][0])
+    build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=128)  # noqa: E731
+    lone = build(1)
+    rows, prefiller = build(2).backend, build(1).backend
+    app, _ = serve_backend(rows, name="tiny", prefiller=prefiller)
+    record = Recorder(rows, prefiller, delay_s=0.02)  # decode steps slow enough for the second client to meet them
+    with running(app) as url:
+        api = client(url)
+
+        def ask(prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
+            reply = api.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+            return reply.choices[0].model_extra["token_ids"], reply.usage.prompt_tokens_details.cached_tokens
+
+        first = SYSTEM + [5, 6, 7]
+        answer, cached = ask(first, 6)
+        assert (answer, cached) == (lone.generate([first], 6)[0], 0)
+        second = first + answer + [8, 9]
+        answer, cached = ask(second, 6)
+        assert (answer, cached) == (lone.generate([second], 6)[0], len(first) + 5)
+        assert record.take() == ["prefiller:16", *["prefiller:1"] * 5] * 2  # no step of the rows, no copy
+
+        third = second + answer + [10, 11, 12]
+        stream = api.completions.create(model="tiny", prompt=third, max_tokens=40, temperature=0, stream=True)
+        chunks = iter(stream)
+        streamed = next(chunks).choices[0].model_extra["token_ids"]  # it decodes alone now
+        other = [9] * 10
+        assert ask(other, 3)[0] == lone.generate([other], 3)[0]
+        streamed += [t for chunk in chunks if chunk.choices for t in chunk.choices[0].model_extra["token_ids"]]
+        assert streamed == lone.generate([third], 40)[0]
+    events = record.take()
+    handed = events.index("copy into rows")  # the first client's row, before the other prompt's prefill
+    assert events[0] == "prefiller:16" and set(events[1:handed]) == {"prefiller:1"}  # its rest, then alone
+    # the other prompt in the prefiller, copied into its row before the rows' decode steps
+    assert events[handed + 1 : handed + 4] == ["prefiller:16", "copy into rows", "rows:1"]
+    back = events.index("copy into prefiller", handed)  # the second client done: alone again
+    assert events[back - 1] == "rows:1" and set(events[back + 1 :]) == {"prefiller:1"}
