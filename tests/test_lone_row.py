@@ -1,6 +1,7 @@
-"""A row decoding alone decodes in the batch-1 prefiller (planning.py's `_lone`), and its cache row
-is copied between the prefiller and the server's rows only when the other side is about to read it
-(serve/prefiller_row.py). The tokens stay a lone generate's through every hand-over."""
+"""Fewer busy rows than rows: a row decoding alone decodes in the batch-1 prefiller (planning.py's
+`_lone`), its cache row copied between the prefiller and the server's rows only when the other side
+is about to read it (serve/prefiller_row.py); busy rows within the first n decode in a twin of n
+rows over the same cache storage (`narrow_backends`). The tokens stay a lone generate's."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ SYSTEM = list(range(100, 112))
 
 
 class Recorder:
-    """Wraps a backend's `step` and `adopt_row`: which backend stepped (and how wide), and each copy."""
+    """Wraps backends' `step` and `adopt_row`: which backend stepped (and how wide), and each copy;
+    `delay_s` slows the decode steps of those named in `slow`."""
 
-    def __init__(self, rows, prefiller, delay_s: float = 0.0):
+    def __init__(self, backends: dict, delay_s: float = 0.0, slow: tuple[str, ...] = ("prefiller",)):
         self.events: list[str] = []
         self.lock = threading.Lock()
-        for name, backend in (("rows", rows), ("prefiller", prefiller)):
-            self._wrap(backend, name, delay_s if name == "prefiller" else 0.0)
+        for name, backend in backends.items():
+            self._wrap(backend, name, delay_s if name in slow else 0.0)
 
     def _wrap(self, backend, name: str, delay_s: float) -> None:
         step, adopt = backend.step, backend.adopt_row
@@ -63,7 +65,8 @@ def test_one_client_decodes_in_the_prefiller_and_a_second_one_hands_the_row_back
     lone = build(1)
     rows, prefiller = build(2).backend, build(1).backend
     app, _ = serve_backend(rows, name="tiny", prefiller=prefiller)
-    record = Recorder(rows, prefiller, delay_s=0.02)  # decode steps slow enough for the second client to meet them
+    # decode steps slow enough for the second client to meet them
+    record = Recorder({"rows": rows, "prefiller": prefiller}, delay_s=0.02)
     with running(app) as url:
         api = client(url)
 
@@ -94,3 +97,38 @@ def test_one_client_decodes_in_the_prefiller_and_a_second_one_hands_the_row_back
     assert events[handed + 1 : handed + 4] == ["prefiller:16", "copy into rows", "rows:1"]
     back = events.index("copy into prefiller", handed)  # the second client done: alone again
     assert events[back - 1] == "rows:1" and set(events[back + 1 :]) == {"prefiller:1"}
+
+
+def test_busy_rows_within_the_first_two_decode_in_a_twin_of_two_rows(hf_checkpoints):
+    """Four rows, and a twin over the first two (the same storage). Two clients at once are seated
+    in rows 0 and 1 and decode there, two rows wide; three at once decode four wide; two again take
+    rows 0 and 1 rather than row 3, the least recently used. Every answer is a lone generate's."""
+    import concurrent.futures
+
+    from serving import client, running
+
+    from staticrt.serve import serve_backend
+
+    model = staticrt.load_model(hf_checkpoints["llama"][0])
+    build = lambda rows: staticrt.Generator(model, max_batch_size=rows, max_cache_len=64)  # noqa: E731
+    lone = build(1)
+    rows = build(4).backend
+    app, scheduler = serve_backend(rows, name="tiny", prefiller=build(1).backend)
+    (twin,) = scheduler.narrow
+    assert twin.batch_size == 2 and twin.cache.key_0.data_ptr() == rows.cache.key_0.data_ptr()
+    names = {"rows": rows, "twin": twin, "prefiller": scheduler.prefiller}
+    record = Recorder(names, delay_s=0.01, slow=tuple(names))  # every decode step: the clients overlap
+    prompts = iter([[k + 1] * (3 + k) for k in range(7)])  # no two share a first token: no row keeps a prefix
+    with running(app) as url:
+        api = client(url)
+
+        def ask(prompt: list[int]) -> list[int]:
+            reply = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+            return reply.choices[0].model_extra["token_ids"]
+
+        for clients in (2, 3, 2):
+            asked = [next(prompts) for _ in range(clients)]
+            with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                assert list(pool.map(ask, asked)) == [lone.generate([p], 12)[0] for p in asked]
+            decoded = {event for event in record.take() if event.endswith(":1") and not event.startswith("prefiller")}
+            assert decoded == ({"twin:1"} if clients == 2 else {"twin:1", "rows:1"}), clients

@@ -125,6 +125,13 @@ class EagerBackend(RowStash):
         model and cache layout, of any batch size): a prompt prefilled alone joins the batch."""
         self.cache.copy_row(source.cache, source_row, row)
 
+    def narrowed(self, rows: int) -> EagerBackend | None:
+        """A backend of this kind whose cache is this one's first `rows` rows (the same storage): a
+        server's step over fewer busy rows than it has computes those alone. None where the cache
+        cannot be viewed so (`leading_rows`)."""
+        view = self.cache.leading_rows(rows)
+        return None if view is None else type(self)(self.model, cache=view, prefill_buckets=self.buckets)
+
     def row_buffers(self) -> dict[str, torch.Tensor]:
         return dict(self.cache.named_buffers())
 

@@ -147,6 +147,9 @@ class OffloadedCache(KVCache):
             i: tuple(_device_view(h, self.device) if views else h for h in self.host_buffers(i)) for i in self.offloaded
         }
 
+    def leading_rows(self, rows: int) -> None:
+        return None  # its write targets and working buffers are the whole batch's
+
     def allocate_layer(self, layer_idx: int) -> None:
         if self.rotating[layer_idx]:  # a sliding layer's window is small: it stays on the device
             return super().allocate_layer(layer_idx)

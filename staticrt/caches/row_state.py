@@ -13,6 +13,8 @@ of its 25.6 MB. Writes are in place: compiled and captured graphs keep their add
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -125,6 +127,17 @@ class CacheRows:
         theirs = dict(source.named_buffers())
         for name, buf in self.named_buffers():
             buf[row].copy_(theirs[name][source_row])
+
+    def leading_rows(self, rows: int) -> CacheRows | None:
+        """A cache of `rows` rows that are this one's first `rows` (every buffer batch-first, viewed:
+        the same storage, so a narrower step reads and writes them in place, at addresses that stay
+        static); None where a cache keeps state beside its buffers (offloaded.py's write targets)."""
+        view = copy.copy(self)
+        view._buffers = {name: buf[:rows] for name, buf in self._buffers.items()}  # [rows, ...] views
+        for buf in view._buffers.values():
+            torch._dynamo.mark_static_address(buf)
+        view.spec = dataclasses.replace(self.spec, max_batch_size=rows)
+        return view
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Permute rows in place (beam search): row b takes the contents of row `beam_idx[b]`."""

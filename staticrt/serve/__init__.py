@@ -76,8 +76,7 @@ def schedule_backend(
     and restores one where a prompt continues it (rows.py; a model backend or a torch artifact).
     `speculative` ("ngram[:K]", or a draft model's Speculation): rows verify drafted tokens, greedy
     ones keeping what the argmax agrees with, sampled ones by speculative sampling's rule (planning.py).
-    Every graph, greedy and sampling, is built first (compiled, captured: announced in the log),
-    so that no request waits for a compile and no compile stalls the rows being served."""
+    Every graph is built first (announced in the log): no request waits for a compile."""
     try:
         from . import app  # noqa: F401  (FastAPI: the extra is whole before anything is built)
         from .planning import Drafting
@@ -93,7 +92,8 @@ def schedule_backend(
         check_verifies(backend)
         if drafting.spec.drafter is not None:  # its row r drafts for our row r
             check_drafter(backend, drafting.spec.drafter.backend, backend.batch_size)
-    plan = _graph_plan(backend, prefiller, reuse_prefix, None if drafting is None else drafting.spec)
+    narrow = narrow_backends(backend) if prefiller is not None and drafting is None else ()  # verify steps: all rows
+    plan = _graph_plan(backend, prefiller, reuse_prefix, None if drafting is None else drafting.spec, narrow)
     graphs = {(id(b), key) for b, widths, how in plan for key in b.unbuilt(widths, **how)}
     with counting(len(graphs)):  # "graph 3 of 16"
         for b, widths, how in plan:
@@ -112,18 +112,32 @@ def schedule_backend(
         widest=widest,
         drafting=drafting,
         cache_ram_bytes=int(cache_ram_mb * 2**20),
+        narrow=narrow,
     )
     return scheduler, limits
 
 
+def narrow_backends(backend: Any) -> tuple[Any, ...]:
+    """Twins of a model backend over its first 2, 4, ... rows (fewer than all; the same cache
+    storage, `EagerBackend.narrowed`): with fewer clients than rows, a decode step computes the rows
+    that are busy, not all (SmolLM2 int4, 8 rows: ... docs/measurements.md). Requests take free
+    rows within the narrowest twin that holds the busy ones and them (rows.py)."""
+    if not hasattr(backend, "narrowed"):
+        return ()  # an artifact: its programs have one batch size
+    widths = [2**k for k in range(1, backend.batch_size.bit_length()) if 2**k < backend.batch_size]
+    return tuple(twin for twin in map(backend.narrowed, widths) if twin is not None)
+
+
 def _graph_plan(
-    backend: Any, prefiller: Any, reuse_prefix: bool, spec: Speculation | None
+    backend: Any, prefiller: Any, reuse_prefix: bool, spec: Speculation | None, narrow: tuple[Any, ...] = ()
 ) -> list[tuple[Any, tuple[int, ...], dict[str, Any]]]:
-    """Every graph serving needs, as (backend, widths, how to build them); with speculation
-    (`spec`), the verify steps (greedy, and sampling for a step where a row samples) and a draft
-    model's: its decode step and the prefill of a row's rest, from 0 or continuing what it holds."""
+    """Every graph serving needs, as (backend, widths, how to build them); the `narrow` twins'
+    decode steps; with speculation (`spec`), the verify steps (greedy, and sampling for a step where
+    a row samples) and a draft model's: its decode step and the prefill of a row's rest, from 0 or
+    continuing what it holds."""
     plan = []
     for do_sample in (False, True):
+        plan += [(twin, (1,), {"do_sample": do_sample}) for twin in narrow]
         if prefiller is None:
             plan.append((backend, (*backend.buckets, 1), {"do_sample": do_sample, "continuing": True}))
         else:

@@ -40,9 +40,12 @@ def plan_step(
     rows: list[Job | None],
     last_prefilled: bool,
     drafting: Drafting | None = None,
+    narrow: tuple[StepBackend, ...] = (),
 ) -> tuple[Plan, bool]:
     """The next step's plan over `rows` (their jobs, None where a row is free), and whether it
-    prefills: a prefill when a prompt waits, unless the step before prefilled and rows decode."""
+    prefills: a prefill when a prompt waits, unless the step before prefilled and rows decode.
+    `narrow`: twins of `backend` over its first rows, narrowest first (`narrow_backends`): a
+    decode step whose rows all lie within one runs there."""
     jobs = [job for job in rows if job is not None]
     prefilling = [job for job in jobs if job.fed < len(job.request.prompt)]
     decoding = [job for job in jobs if job.fed == len(job.request.prompt)]
@@ -56,7 +59,12 @@ def plan_step(
     if drafting is None and prefiller is not None and len(jobs) == len(decoding) == 1:
         return _lone(prefiller, decoding[0]), False
     plan = None if drafting is None else _verify_plan(backend, memory, rows, decoding, prefilling, drafting)
-    return plan or _decode_plan(backend, memory, rows, decoding, prefilling), False
+    if plan is None:
+        within = max(job.row for job in decoding) + 1
+        backend = next((twin for twin in narrow if twin.batch_size >= within), backend)
+        sitting = [job for job in prefilling if job.row < backend.batch_size]
+        plan = _decode_plan(backend, memory, rows[: backend.batch_size], decoding, sitting)
+    return plan, False
 
 
 def _prefill_plan(

@@ -1,10 +1,11 @@
 """What each row of a server's cache holds, and where a request keeps the most of it.
 
 A row remembers the token ids its cache holds, as fed (generation/prefix.py). A request is seated
-in the free row that shares the longest prefix with its prompt (ties: the least recently used
-row) and prefills only the rest, as llama.cpp's slots do: clients that share a system prompt, or
-send a conversation one turn longer, pay for what is new. A free row keeps its contents until it
-is reused; the steps it sits out write at its end (the position after what it holds), where a
+in the free row that shares the longest prefix with its prompt (ties: a row within the narrowest of
+the server's narrow twins that holds the busy rows and this one, then the least recently used) and
+prefills only the rest, as llama.cpp's slots do: clients that share a system prompt, or send a
+conversation one turn longer, pay for what is new. A free row keeps its contents until it is
+reused; the steps it sits out write at its end (the position after what it holds), where a
 continuation overwrites them before any query sees them.
 
 A rotating layer may also hold entries past what the row holds: a speculative step's rejected
@@ -22,6 +23,7 @@ The pool drops its least recently used entries past its size. Imports no torch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +64,20 @@ class RowMemory:
     column for every row, whose waves start over), it never keeps anything. `widest`: the widest
     step that continues a kept prefix (the prefiller's widest continuing graph; None: any bucket),
     so the rest is prefilled in chunks of at most that many tokens. `pool_bytes`: the host pool's
-    size (0: none; a backend without `stash_row` has none)."""
+    size (0: none; a backend without `stash_row` has none). `narrow`: the batch sizes of the
+    server's narrow twins (serve/__init__.py's `narrow_backends`): a decode step whose busy rows
+    lie within the first n runs n rows wide, so a request takes a row there where it can."""
 
-    def __init__(self, backend: StepBackend, reuse: bool, widest: int | None = None, pool_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        backend: StepBackend,
+        reuse: bool,
+        widest: int | None = None,
+        pool_bytes: int = 0,
+        narrow: Sequence[int] = (),
+    ) -> None:
         self.backend = backend
+        self.narrow = sorted(narrow)
         self.reuse = reuse and backend.row_positions
         self.widest = widest
         self.held: list[list[int]] = [[] for _ in range(backend.batch_size)]
@@ -91,16 +103,19 @@ class RowMemory:
         return kept if limit is None or kept + chunk_end(buckets, len(prompt) - kept) <= limit else 0
 
     def best(self, prompt: list[int], free: list[int]) -> tuple[int, int, Saved | None]:
-        """The free row that keeps the most of `prompt` (the least recently used of equals), and how
-        much; or, where a pool entry keeps more, the least recently used free row, how much the
-        entry keeps and the entry to restore there."""
+        """The free row that keeps the most of `prompt` (of equals, one within the narrow twin the
+        busy rows and this one need, then the least recently used), and how much; or, where a pool
+        entry keeps more, the first such row of any, how much the entry keeps and the entry to
+        restore there."""
         kept = {r: self.kept(prompt, r) for r in free}
-        row = max(free, key=lambda r: (kept[r], -self.used[r]))
+        busy = self.backend.batch_size - len(free) + 1  # with this request
+        within = next((n for n in self.narrow if n >= busy), self.backend.batch_size)
+        row = max(free, key=lambda r: (kept[r], r < within, -self.used[r]))
         if self.pool:
             pooled = {id(s): self._kept(prompt, s.held, s.beyond) for s in self.pool}
             saved = max(reversed(self.pool), key=lambda s: pooled[id(s)])  # of equals, the newest
             if pooled[id(saved)] > kept[row]:
-                return min(free, key=lambda r: self.used[r]), pooled[id(saved)], saved
+                return min(free, key=lambda r: (r >= within, self.used[r])), pooled[id(saved)], saved
         return row, kept[row], None
 
     def seat(self, row: int, kept: int, order: int, saved: Saved | None = None) -> int:

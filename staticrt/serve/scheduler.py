@@ -79,6 +79,7 @@ class Scheduler:
         widest: int | None = None,
         drafting: Drafting | None = None,
         cache_ram_bytes: int = 0,
+        narrow: tuple[StepBackend, ...] = (),
     ) -> None:
         self.backend = backend
         self.prefiller = prefiller  # batch 1, same model and cache layout; its row is copied into ours
@@ -88,8 +89,8 @@ class Scheduler:
         self.metrics = metrics or Metrics()
         self.rows: list[Job | None] = [None] * backend.batch_size
         self.metrics.rows.set(len(self.rows))
-        self.memory = RowMemory(backend, reuse_prefix, widest, cache_ram_bytes)
-        self.drafting = drafting
+        self.memory = RowMemory(backend, reuse_prefix, widest, cache_ram_bytes, [t.batch_size for t in narrow])
+        self.drafting, self.narrow = drafting, narrow  # narrow: twins over the first rows (planning.py)
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.admitting, self.stopped, self.last_prefilled = True, False, False
@@ -173,9 +174,8 @@ class Scheduler:
                     return
             plan, start = None, time.perf_counter()  # a verify step's time includes its drafting
             try:
-                plan, self.last_prefilled = plan_step(
-                    self.backend, self.prefiller, self.memory, self.rows, self.last_prefilled, self.drafting
-                )
+                state = (self.memory, self.rows, self.last_prefilled, self.drafting, self.narrow)
+                plan, self.last_prefilled = plan_step(self.backend, self.prefiller, *state)
                 self.mirror.before(plan)
                 next_ids = plan.run()
                 seconds = time.perf_counter() - start
