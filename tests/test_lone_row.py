@@ -132,3 +132,33 @@ def test_busy_rows_within_the_first_two_decode_in_a_twin_of_two_rows(hf_checkpoi
                 assert list(pool.map(ask, asked)) == [lone.generate([p], 12)[0] for p in asked]
             decoded = {event for event in record.take() if event.endswith(":1") and not event.startswith("prefiller")}
             assert decoded == ({"twin:1"} if clients == 2 else {"twin:1", "rows:1"}), clients
+
+
+@pytest.mark.filterwarnings("ignore::staticrt.caches.OffloadWarning")  # offloaded on a CPU
+@pytest.mark.parametrize(
+    ("name", "cache"),
+    [
+        ("gemma2", "hybrid"),
+        ("gemma2", "sink"),
+        ("mistral-sw16", "sliding-int8"),
+        ("lfm2", "static"),  # conv states
+        ("granitemoehybrid", "static"),  # Mamba2 states
+        ("llama", "offloaded"),
+    ],
+)
+def test_a_twin_views_the_first_rows_of_every_buffer_and_gives_a_narrower_caches_tokens(hf_checkpoints, name, cache):
+    """A twin of 2 over a 4-row cache: each of its buffers the first 2 rows of the cache's own
+    (the same storage), and its tokens a 2-row cache's. An offloaded cache has none: its write
+    targets are the whole batch's."""
+    model = staticrt.load_model(hf_checkpoints[name][0])
+    wide = staticrt.Generator(model, cache=cache, max_batch_size=4, max_cache_len=64).backend
+    twin = wide.narrowed(2)
+    if cache == "offloaded":
+        assert twin is None
+        return
+    theirs = dict(wide.cache.named_buffers())
+    for part, buf in twin.cache.named_buffers():
+        assert buf.shape[0] == 2 and buf.data_ptr() == theirs[part].data_ptr(), part
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 40))]
+    narrow = staticrt.Generator(model, cache=cache, max_batch_size=2, max_cache_len=64)
+    assert staticrt.Generator(twin).generate(prompts, 20) == narrow.generate(prompts, 20)
