@@ -120,8 +120,8 @@ def schedule_backend(
 def narrow_backends(backend: Any) -> tuple[Any, ...]:
     """Twins of a model backend over its first 2, 4, ... rows (fewer than all; the same cache
     storage, `EagerBackend.narrowed`): with fewer clients than rows, a decode step computes the rows
-    that are busy, not all (SmolLM2 int4, 8 rows: ... docs/measurements.md). Requests take free
-    rows within the narrowest twin that holds the busy ones and them (rows.py)."""
+    that are busy, not all (SmolLM2 int4 on 8 rows, 4 clients: 104 -> 149 tok/s, docs/measurements.md).
+    Requests take free rows within the narrowest twin that holds the busy ones and them (rows.py)."""
     if not hasattr(backend, "narrowed"):
         return ()  # an artifact: its programs have one batch size
     widths = [2**k for k in range(1, backend.batch_size.bit_length()) if 2**k < backend.batch_size]

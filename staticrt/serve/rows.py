@@ -105,8 +105,8 @@ class RowMemory:
     def best(self, prompt: list[int], free: list[int]) -> tuple[int, int, Saved | None]:
         """The free row that keeps the most of `prompt` (of equals, one within the narrow twin the
         busy rows and this one need, then the least recently used), and how much; or, where a pool
-        entry keeps more, the first such row of any, how much the entry keeps and the entry to
-        restore there."""
+        entry keeps more, the least recently used free row (one within that twin first), how much
+        the entry keeps and the entry to restore there."""
         kept = {r: self.kept(prompt, r) for r in free}
         busy = self.backend.batch_size - len(free) + 1  # with this request
         within = next((n for n in self.narrow if n >= busy), self.backend.batch_size)
