@@ -20,7 +20,7 @@ def test_a_q4_0_file_requantized_to_q8_0_keeps_its_metadata_and_its_values_withi
     from staticrt.bench.gguf_requantize import requantize_gguf
     from staticrt.bench.gguf_write import write_gguf
 
-    save_hf_model("qwen3", tmp_path / "hf")  # default RoPE: a file write_gguf writes
+    save_hf_model("qwen3", tmp_path / "hf", head_dim=128)  # what transformers' GGUF reader takes (test_families)
     four = write_gguf(staticrt.load_model(tmp_path / "hf"), tmp_path / "q4.gguf", "Q4_0")
     assert requantize_gguf(four, tmp_path / "q8.gguf") == 14  # q, k, v, o, gate, up, down in 2 layers
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "q4.gguf", "q8.gguf"]  # no partial left
@@ -38,5 +38,6 @@ def test_a_q4_0_file_requantized_to_q8_0_keeps_its_metadata_and_its_values_withi
         again = gguf.quants.dequantize(new.data, new.tensor_type)
         steps = np.abs(values).reshape(-1, 32).max(axis=1) / 127  # Q8_0: a scale a block of 32
         assert np.all(np.abs(again - values).reshape(-1, 32) <= steps[:, None] * (0.5 + 127 * 2**-11) + 1e-7), old.name
+    assert len(staticrt.Generator(staticrt.load_model(tmp_path / "q8.gguf")).generate([[1, 2, 3]], 4)[0]) == 4
     with pytest.raises(BenchError, match="^block type 'Q9_9' is not one the gguf library knows"):
         requantize_gguf(four, tmp_path / "x.gguf", "Q9_9")
