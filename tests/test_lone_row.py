@@ -12,8 +12,6 @@ import pytest
 
 import staticrt
 
-pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
-
 SYSTEM = list(range(100, 112))
 
 
@@ -56,6 +54,7 @@ def test_one_client_decodes_in_the_prefiller_and_a_second_one_hands_the_row_back
     second client's prompt takes the prefiller, both decode in the rows' backend, and once the
     second client is done the first decodes alone again, its row copied into the prefiller.
     Every answer is a lone generate's."""
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import client, running
 
     from staticrt.serve import serve_backend
@@ -105,6 +104,7 @@ def test_busy_rows_within_the_first_two_decode_in_a_twin_of_two_rows(hf_checkpoi
     rows 0 and 1 rather than row 3, the least recently used. Every answer is a lone generate's."""
     import concurrent.futures
 
+    pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import client, running
 
     from staticrt.serve import serve_backend
