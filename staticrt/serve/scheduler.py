@@ -44,9 +44,9 @@ import numpy as np
 from ..errors import StaticrtError
 from ..generation.logprobs import TokenLogprob
 from ..generation.loop import StepBackend
-from ..generation.speculative import accepted
 from .job import Completion, Event, Job, Plan, check_request
 from .metrics import Metrics
+from .outcome import step_outcome
 from .planning import Drafting, plan_step
 from .prefiller_row import PrefillerRow
 from .rows import RowMemory, Saved
@@ -90,7 +90,8 @@ class Scheduler:
         self.rows: list[Job | None] = [None] * backend.batch_size
         self.metrics.rows.set(len(self.rows))
         self.memory = RowMemory(backend, reuse_prefix, widest, cache_ram_bytes, [t.batch_size for t in narrow])
-        self.drafting, self.narrow = drafting, narrow  # narrow: twins over the first rows (planning.py)
+        self.drafting = drafting
+        self.narrow = narrow  # twins of `backend` over its first rows (planning.py)
         self.waiting: deque[Job] = deque()
         self.cond = threading.Condition()
         self.admitting, self.stopped, self.last_prefilled = True, False, False
@@ -174,8 +175,15 @@ class Scheduler:
                     return
             plan, start = None, time.perf_counter()  # a verify step's time includes its drafting
             try:
-                state = (self.memory, self.rows, self.last_prefilled, self.drafting, self.narrow)
-                plan, self.last_prefilled = plan_step(self.backend, self.prefiller, *state)
+                plan, self.last_prefilled = plan_step(
+                    self.backend,
+                    self.prefiller,
+                    self.memory,
+                    self.rows,
+                    self.last_prefilled,
+                    self.drafting,
+                    self.narrow,
+                )
                 self.mirror.before(plan)
                 next_ids = plan.run()
                 seconds = time.perf_counter() - start
@@ -241,23 +249,8 @@ class Scheduler:
             self._seat(self.waiting.popleft(), row)
 
     def _advance(self, plan: Plan, next_ids: np.ndarray) -> list[int]:
-        """Record what each row was fed, and give the finishing jobs their tokens (in a verify step,
-        the drafts the model agreed with and its own token after them); the tokens each took."""
-        chosen: dict[Job, list[int]] = {}
-        for job in plan.members:
-            slot = plan.slot[job]
-            fed, rejected = int(plan.num_new[slot]), 0
-            chosen[job] = [int(next_ids[slot])] if next_ids.ndim == 1 else []
-            if plan.drafts is not None:
-                draft = plan.drafts[job]
-                took = accepted(draft, next_ids[slot])
-                chosen[job] = next_ids[slot, : took + 1].tolist()
-                fed, rejected = took + 1, len(draft) - took
-                self.metrics.drafted_tokens.inc(len(draft))
-                self.metrics.accepted_tokens.inc(took)
-            self.memory.fed(job.row, plan.input_ids[slot, :fed], rejected)
-            if len(job.tokens) == 0:
-                job.fed += fed
+        """Give the finishing jobs their tokens (outcome.py); the tokens each took."""
+        chosen = step_outcome(plan, next_ids, self.memory, self.metrics)
         for job in plan.finishing:
             for token in chosen[job]:
                 if job.row is None or self.rows[job.row] is not job:
