@@ -9,9 +9,11 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -207,16 +209,21 @@ def test_weights_on_4_bit_grids_keep_them_exactly_with_a_float_minimum_a_block(t
 
 
 @pytest.fixture(scope="module")
-def float_perplexity(smollm2, english_text) -> tuple[list[int], float]:
-    """The text's token ids and the float model's perplexity over them, computed once for both widths."""
+def float_graph(smollm2, english_text, tmp_path_factory) -> tuple[list[int], float, Path]:
+    """The text's token ids, the float model's perplexity over them and its float ONNX graph
+    (`staticrt export`, cache as long as the text), made once for both widths: each quantizes a
+    copy, as `--quantize` does after the same export (a SmolLM2 export is ~40 s)."""
     model = staticrt.load_model(smollm2)
     ids = model.tokenizer.encode(english_text)
-    return ids, perplexity(model, ids)
+    out = tmp_path_factory.mktemp("float") / "artifact"
+    argv = ["export", "--model", str(smollm2), "--format", "onnx", "--max-cache-len", str(len(ids))]
+    assert main([*argv, "--out", str(out)]) == 0
+    return ids, perplexity(model, ids), out / "onnx"
 
 
 @pytest.mark.parametrize("quantize,within", [("int8", 1.01), ("int4", 1.05)])
 def test_the_onnx_quantized_graph_keeps_the_real_models_perplexity(
-    smollm2, smollm2_gguf, float_perplexity, tmp_path, quantize, within
+    smollm2_gguf, float_graph, tmp_path, quantize, within
 ):
     """SmolLM2-135M over the whole of tests/data's text (2,211 predictions, one graph step that
     returns every column's logits), the lookup's rows the head's int8 codes. int8 (symmetric
@@ -225,20 +232,22 @@ def test_the_onnx_quantized_graph_keeps_the_real_models_perplexity(
     reads higher, +1.3% at this one, so the whole text it is). int4 within 5% (measured +1.27%:
     the GGUF's own Q4_1 grids kept, +21.8% with integer zero points) in at most 1.2x the bytes of
     the Q4_1 GGUF the model came from (measured 1.15x)."""
-    ids, reference = float_perplexity
-    out = tmp_path / quantize
-    argv = ["export", "--model", str(smollm2), "--format", "onnx", "--quantize", quantize]
-    assert main([*argv, "--max-cache-len", str(len(ids)), "--out", str(out)]) == 0
+    from staticrt.exporters.onnx_quantize import EMBEDDING, quantize_graph
+    from staticrt.models.quant_spec import parse_quantize
+
+    ids, reference, floats = float_graph
+    folder = shutil.copytree(floats, tmp_path / quantize)
+    layouts = quantize_graph(folder / "model.onnx", parse_quantize(quantize), EMBEDDING)  # SmolLM2's head is tied
     if quantize == "int4":
-        assert "minimum" in json.loads((out / "manifest.json").read_text())["onnx"]["quantize"]["projections"]
-        size = sum(f.stat().st_size for f in (out / "onnx").iterdir())
+        assert "minimum" in layouts["projections"]
+        size = sum(f.stat().st_size for f in folder.iterdir())
         assert size <= 1.2 * smollm2_gguf.stat().st_size, (size, smollm2_gguf.stat().st_size)
     # One thread: the 2,211-column step is long, and with two it stalls the other pytest worker's
     # CPU-bound steps for seconds at a time (an eager 32-token prefill and a decode step beside it:
     # up to 3.2 s with two threads, 0.6 s with one, 0.1 s alone), which that worker's timing checks feel.
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = 1
-    graph = str(out / "onnx" / "model.onnx")
+    graph = str(folder / "model.onnx")
     session = onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
     n = len(ids) - 1
     feed = {
