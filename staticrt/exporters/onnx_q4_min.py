@@ -19,6 +19,7 @@ float32 a block (1 bit a weight, where the packed zero points it replaces were 1
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -91,7 +92,7 @@ def min_blocks(model: Any, names: set[str], block: int, accuracy_level: int) -> 
     return added
 
 
-def on_grids(weights: list[np.ndarray], block: int) -> bool:
+def on_grids(weights: Iterable[np.ndarray], block: int) -> bool:
     """Whether nearly every block of `weights` (each `[N, K]`) already lies on a 16-level grid
     from its minimum to its maximum: weights dequantized from a Q4_1 GGUF (whose quantizer puts
     each block's extremes at codes 0 and 15), which only this layout keeps exactly. A float
@@ -101,7 +102,7 @@ def on_grids(weights: list[np.ndarray], block: int) -> bool:
     on = total = 0
     for weight in weights:
         k = weight.shape[1] - weight.shape[1] % block  # whole blocks
-        grouped = weight[:, :k].astype(np.float32).reshape(weight.shape[0], -1, block)
+        grouped = weight[:, :k].astype(np.float32, copy=False).reshape(weight.shape[0], -1, block)
         low, high = grouped.min(axis=-1, keepdims=True), grouped.max(axis=-1, keepdims=True)
         step = np.where(high > low, (high - low) / TOP, 1.0)
         codes = (grouped - low) / step

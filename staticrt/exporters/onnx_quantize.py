@@ -85,8 +85,8 @@ def quantize_graph(path: Path, spec: QuantSpec, head_weight: str) -> dict[str, A
     projections = {n.name: n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
     for name in head:
         projections.pop(name)
-    arrays = [numpy_helper.to_array(weights[w]).T for w in projections.values()] if spec.bits == 4 else []
-    if arrays and on_grids(arrays, spec.group_size):  # a Q4_1 GGUF's grids, kept (onnx_q4_min.py)
+    arrays = (numpy_helper.to_array(weights[w]).T for w in projections.values())  # one at a time
+    if spec.bits == 4 and on_grids(arrays, spec.group_size):  # a Q4_1 GGUF's grids, kept (onnx_q4_min.py)
         layouts["projections"] = {"bits": 4, "block_size": spec.group_size, "minimum": "float32 a block"}
         steps = [(min_blocks(model, set(projections), spec.group_size, ACCURACY_LEVEL), layouts["head"])]
     # The projections first (the head left out), then the one MatMul over a weight left: the head.
