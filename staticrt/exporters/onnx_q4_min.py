@@ -5,7 +5,7 @@ ONNX Runtime's MatMulNBits takes an integer zero point a block, w = d·(q - z), 
 to half a step, an error that adds up over the block's inputs instead of averaging out. SmolLM2,
 converted from its Q4_1 GGUF (every block of its weights on such a grid), read +21.8% perplexity
 over tests/data's text at int4 that way (docs/measurements.md). Float zero points exist in the op,
-but its fast kernels take integer ones only (68 against ~9 ms a token on bench-llama). So the codes
+but its fast kernels take integer ones only (68 against 2.3-3.5 ms a token on bench-llama). So the codes
 go to MatMulNBits with zero points 0, and each block's minimum to a second, small product:
 
     x @ W^T = MatMulNBits(x; q, d, z=0) + (x summed over each block of inputs) @ M,   M [K/b, N]
@@ -14,7 +14,9 @@ The block sums are one MatMul by a 0/1 matrix `[K, K/b]` (one a width), shared b
 read the same input (q, k and v; gate and up). A Q4_1 block's smallest and largest weights are its codes 0
 and 15, so `d = (max - min)/15` and `m = min` recover that grid and every weight on it exactly; a
 float weight lies within half a step of its code, as in llama.cpp's own Q4_1. The price: M is one
-float32 a block (1 bit a weight, where the packed zero points it replaces were 1/8).
+float32 a block (1 bit a weight, where the packed zero points it replaces were 1/8), and two more
+nodes a projection, ~18% of SmolLM2's ONNX decode; so the exporter takes this layout only for
+weights already on such grids (`on_grids`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 
 BITS = 4
 TOP = 2**BITS - 1  # the largest code
-GRID_TOLERANCE = 1e-3  # of a step: a Q4_1 GGUF's weights, d·q + m in float32, sit within ~1e-6 of theirs
+GRID_TOLERANCE = 1e-3  # of a step: a Q4_1 GGUF's weights, d·q + m in float32, sit ~1e-6 of a step off their codes
 ON_GRIDS = 0.99  # of the blocks, for a model to count as dequantized from 4 bits
 
 
