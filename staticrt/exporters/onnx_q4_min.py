@@ -105,8 +105,7 @@ def on_grids(weights: Iterable[np.ndarray], block: int) -> bool:
     for weight in weights:
         k = weight.shape[1] - weight.shape[1] % block  # whole blocks
         grouped = weight[:, :k].astype(np.float32, copy=False).reshape(weight.shape[0], -1, block)
-        low, high = grouped.min(axis=-1, keepdims=True), grouped.max(axis=-1, keepdims=True)
-        step = np.where(high > low, (high - low) / TOP, 1.0)
+        low, step = _grid(grouped)
         codes = (grouped - low) / step
         on += int((np.abs(codes - np.rint(codes)).max(axis=-1) < GRID_TOLERANCE).sum())
         total += grouped.shape[0] * grouped.shape[1]
@@ -121,9 +120,14 @@ def _blocks(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.
     blocks = -(-k // block)
     padded = np.pad(weight.astype(np.float32), ((0, 0), (0, blocks * block - k)), mode="edge")
     grouped = padded.reshape(n, blocks, block)
-    low, high = grouped.min(axis=-1), grouped.max(axis=-1)  # [N, K/b]
-    step = (high - low) / TOP
-    safe = np.where(step > 0, step, 1.0)  # a constant block: every code 0, the minimum is the weight
-    codes = np.clip(np.rint((grouped - low[..., None]) / safe[..., None]), 0, TOP).astype(np.uint8)
+    low, step = _grid(grouped)  # each [N, K/b, 1]
+    codes = np.clip(np.rint((grouped - low) / step), 0, TOP).astype(np.uint8)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [N, K/b, b/2]
-    return packed, step.astype(np.float32).reshape(-1), np.ascontiguousarray(low.T.astype(np.float32))
+    return packed, step.astype(np.float32).reshape(-1), np.ascontiguousarray(low[..., 0].T.astype(np.float32))
+
+
+def _grid(grouped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks `[N, K/b, b]` -> each one's minimum and step `[N, K/b, 1]`, the 16 levels spanning it;
+    a constant block's step is 1 (every code 0, its minimum the weight)."""
+    low, high = grouped.min(axis=-1, keepdims=True), grouped.max(axis=-1, keepdims=True)
+    return low, np.where(high > low, (high - low) / TOP, 1.0)
