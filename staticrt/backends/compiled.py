@@ -31,6 +31,7 @@ from .freezing import frozen_decode_weights
 from .graph_policy import GraphPolicy
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
+from .kernel_libraries import few_kernel_libraries
 from .step import StepFn, base_choice, gives_logprobs, graph_name, run_step, starts_fresh, step_choice, verifies
 
 log = logging.getLogger("staticrt")
@@ -98,7 +99,7 @@ class CompiledBackend(GraphPolicy, EagerBackend):
                 "the model's weights changed in place after its decode graph froze them (CPU decode graphs "
                 "hold the weights as they were at compile); build a new Generator for the changed model"
             )
-        with frozen_decode_weights() if freezes else nullcontext():
+        with frozen_decode_weights() if freezes else nullcontext(), few_kernel_libraries():
             result = super().run(choice, input_ids, write_index, num_new, sampling, uniforms)
         if freezes and self._frozen_weights is None:
             self._frozen_weights = weight_stamps(self.model)
