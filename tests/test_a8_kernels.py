@@ -271,3 +271,29 @@ def test_int8_linear_is_the_integer_dot_product_of_each_block_on_a_ragged_last_g
     assert y.shape == (5, 37) and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6)
     one_by_one = [torch.ops.staticrt.int8_linear(x[m : m + 1], int8_groups(codes), scales) for m in range(5)]
     assert torch.equal(y, torch.cat(one_by_one))  # a row's sums, in its order, whatever the rows beside it
+
+
+@kernel
+def test_int4_linear_is_each_blocks_integer_dot_product_and_a_rows_sums_whatever_rows_beside_it():
+    """`int4_linear`: 9 channels (a last block of one) and six rows (a step of four rows sharing
+    each unpacking of codes, then two one at a time), against sum_b s_b (d_b sum q xq + m_b sum xq)
+    with each block's integer dot product exact, in float64; each row's numbers are the ones it
+    gets alone, to the bit (prefill and decode agree)."""
+    generator = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(9, 128, generator=generator), torch.randn(6, 128, generator=generator)
+    x[2, 64:96] = 0
+    codes, dm = int4_blocks(weight)
+    a8_kernels.load("int4-a8")
+    y = torch.ops.staticrt.int4_linear(x, codes, dm)
+    blocks = x.double().reshape(6, 4, 32)
+    s = blocks.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    xq = torch.round(blocks / s).long()  # [6, 4, 32]
+    # [N, 4 blocks, 32]: a 64-weight step's bytes hold block 2c in their low nibbles, 2c + 1 in the high
+    q = torch.stack([(codes.reshape(9, 2, 32) & 15), (codes.reshape(9, 2, 32) >> 4)], dim=2).long().reshape(9, 4, 32)
+    d, m = dm.double().reshape(9, 2, 2, 2).unbind(2)  # each [N, step, 2]: (d_2c, d_2c+1), (m_2c, m_2c+1)
+    dots = torch.einsum("mbi,nbi->mnb", xq, q).double()  # exact, [6, 9, 4]
+    want = (s[:, None, :, 0] * (d.reshape(1, 9, 4) * dots + m.reshape(1, 9, 4) * xq.sum(-1)[:, None, :])).sum(-1)
+    assert y.shape == (6, 9) and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+    one_by_one = [torch.ops.staticrt.int4_linear(x[r : r + 1], codes, dm) for r in range(6)]
+    assert torch.equal(y, torch.cat(one_by_one))  # a row's sums, in its order, whatever the rows beside it
