@@ -89,7 +89,6 @@ class _Module:
                 self.functions = self._build()
             except Exception as err:  # noqa: BLE001 - only compile time is at stake: build as inductor does
                 log.debug("kernels built one library each (%s: %s)", type(err).__name__, err)
-                self.functions = None
             if self.functions is None:
                 self.functions = [_resolved(self.original(*kernel)) for kernel in self.kernels]
         return self.functions[i]
