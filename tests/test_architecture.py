@@ -18,7 +18,7 @@ FLOORS = (
     ("bench",),
     ("serve", "loading", "exporters", "backends"),
     ("generation", "models"),
-    ("artifacts", "caches", "text"),
+    ("artifacts", "caches", "cpp_builds", "text"),
     ("",),
 )
 GROUND_FLOOR = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import zipfile
 from pathlib import Path
@@ -58,11 +59,29 @@ FORMATS = {"tiny-llama": None, "tiny-mistral": "pt2", "tiny-gemma2": "pt2"}
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory) -> dict[str, Path]:
+def compile_commands() -> list[tuple[list[str], str | None]]:
+    """Each g++ command the exports run (argv, and the text of the C++ file it compiles)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, compile_commands) -> dict[str, Path]:
+    import torch._inductor.cpp_builder as builder
+
+    def recorded(cmd_line: str, cwd: str) -> None:
+        argv = shlex.split(cmd_line)
+        sources = [arg for arg in argv if arg.endswith(".cpp")]
+        compile_commands.append((argv, Path(sources[0]).read_text() if sources else None))
+        run(cmd_line, cwd)
+
     root = tmp_path_factory.mktemp("artifacts")
-    for name, formats in FORMATS.items():
-        override = ["--format", formats] if formats else []
-        assert main(["export", str(RECIPES / f"{name}.toml"), "--out", str(root / name), *override]) == 0
+    run, builder.run_compile_cmd = builder.run_compile_cmd, recorded
+    try:
+        for name, formats in FORMATS.items():
+            override = ["--format", formats] if formats else []
+            assert main(["export", str(RECIPES / f"{name}.toml"), "--out", str(root / name), *override]) == 0
+    finally:
+        builder.run_compile_cmd = run
     return {name: root / name for name in NAMES}
 
 
@@ -97,6 +116,18 @@ def test_artifact_tokens_equal_the_eager_backend(artifacts, name, fmt):
     assert gen.generate(prompts(), max_new_tokens=NEW_TOKENS) == eager_tokens(name)
     # Every program wrote the one cache tensor the loader handed out, in place.
     assert key.data_ptr() == address and key.abs().sum() > 0
+
+
+def test_aotinductors_runtime_is_compiled_once_and_linked_into_each_program(artifacts, compile_commands):
+    """cpp_builds/aoti_runtime.py: no program's wrapper compiles the runtime's interface again;
+    each program's library links the one object that holds it (tiny-llama's prefill and decode),
+    compiled here at most once (none where an earlier test's export left it in inductor's cache)."""
+    interface = "AOTInductorModelContainerCreateWithDevice("
+    runtime = [(argv, text) for argv, text in compile_commands if text is not None and interface in text]
+    assert all("staticrt_aoti_runtime" in argv[1] for argv, _ in runtime) and len(runtime) <= 1
+    links = [argv for argv, _ in compile_commands if "-c" not in argv and any(a.endswith(".wrapper.o") for a in argv)]
+    linked = [[a for a in argv if "/staticrt_aoti_runtime/" in a] for argv in links]
+    assert len(links) == 2 and all(len(objects) == 1 and Path(objects[0]).is_file() for objects in linked)
 
 
 def test_programs_carry_no_weight_bytes_the_weights_file_holds_each_once(artifacts):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cpp_builds.kernel_libraries import few_kernel_libraries
 from ..errors import GenerationError
 from ..generation import builds
 from ..generation.params import SamplingParams
@@ -31,7 +32,6 @@ from .freezing import frozen_decode_weights
 from .graph_policy import GraphPolicy
 from .graph_store import GraphStore, StepModule, StoredStep, live_addresses
 from .guards import code_past_guards
-from .kernel_libraries import few_kernel_libraries
 from .step import StepFn, base_choice, gives_logprobs, graph_name, run_step, starts_fresh, step_choice, verifies
 
 log = logging.getLogger("staticrt")

@@ -41,6 +41,7 @@ from ..artifacts.manifest import aoti_libraries
 from ..artifacts.user_cache import cache_root
 from ..artifacts.write import write_folder
 from ..caches import KVCache
+from ..cpp_builds.aoti_runtime import runtime_compiled_once
 from ..errors import StaticrtError
 from ..models.decoder import Decoder
 from ..models.packed_gemv import packed_bytes
@@ -244,7 +245,7 @@ class GraphStore:
             torch.zeros(batch),  # uniform [B]
             torch.zeros(batch, self.model.config.vocab_size),  # logit bias [B, V]
         )
-        with torch.no_grad(), warnings.catch_warnings():  # torch's LeafSpec notice
+        with torch.no_grad(), warnings.catch_warnings(), runtime_compiled_once():  # torch's LeafSpec notice
             warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
             program = torch.export.export(step, inputs, strict=False)
             package = aoti_compile_and_package(program, inductor_configs=AOTI_OPTIONS, package_path=str(work / "p.pt2"))

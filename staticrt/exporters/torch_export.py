@@ -34,6 +34,7 @@ from torch import nn
 
 from ..artifacts.manifest import aoti_package_weights, program_name
 from ..caches import KVCache
+from ..cpp_builds.aoti_runtime import runtime_compiled_once
 from ..dtypes import dtype_name
 from ..models.decoder import Decoder
 
@@ -150,7 +151,7 @@ def compile_package(program: torch.export.ExportedProgram, package: Path) -> Non
     """AOTInductor's package of `program`, every constant in it (AOTI_OPTIONS) until `keep_own_weights`."""
     from torch._inductor import aoti_compile_and_package
 
-    with warnings.catch_warnings():  # torch's own: its pickling of a LeafSpec
+    with warnings.catch_warnings(), runtime_compiled_once():  # torch's own: its pickling of a LeafSpec
         warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
         aoti_compile_and_package(program, package_path=str(package), inductor_configs=AOTI_OPTIONS)
 

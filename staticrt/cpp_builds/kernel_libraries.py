@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
+
+from .shared_patch import SharedPatch
 
 log = logging.getLogger("staticrt")
 
 _ENTRY = re.compile(r'extern "C"(\s+[^(]*\bkernel\()')
 _HOISTED = ("#include", "#define PY_SSIZE_T_CLEAN")
-_installed = threading.Lock()
-_users = 0
-_originals: dict[str, Any] = {}
 
 
 def _library_source(kernels: list[tuple[list[str], str]], numbers: range) -> str | None:
@@ -133,7 +131,7 @@ def _future_class() -> type:
     return Kernel
 
 
-def _install() -> None:
+def _install() -> Callable[[], None]:
     from torch._inductor.async_compile import AsyncCompile
 
     Kernel = _future_class()
@@ -153,29 +151,17 @@ def _install() -> None:
                 scope[name] = value.result()
         wait(self, scope)
 
-    _originals.update(cpp_pybinding=cpp_pybinding, wait=wait)
+    def undo() -> None:
+        AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait
+
     AsyncCompile.cpp_pybinding, AsyncCompile.wait = batched_pybinding, resolving_wait
+    return undo
 
 
-@contextmanager
-def few_kernel_libraries() -> Iterator[None]:
-    """Graphs compiled inside build their Python-wrapper kernels as a few libraries. Re-entrant
-    and shared between threads: installed while anyone is inside; any graph it touches compiles
-    to the same kernels, only in fewer libraries."""
-    global _users
-    with _installed:
-        if _users == 0:
-            try:
-                _install()
-            except (ImportError, AttributeError) as err:  # another torch: inductor's own way
-                log.debug("kernels built one library each (%s)", err)
-        _users += 1
-    try:
-        yield
-    finally:
-        with _installed:
-            _users -= 1
-            if _users == 0 and _originals:
-                from torch._inductor.async_compile import AsyncCompile
+_PATCH = SharedPatch(_install, "kernels built one library each")
 
-                AsyncCompile.cpp_pybinding, AsyncCompile.wait = _originals.pop("cpp_pybinding"), _originals.pop("wait")
+
+def few_kernel_libraries() -> AbstractContextManager[None]:
+    """Graphs compiled inside build their Python-wrapper kernels as a few libraries: any graph
+    it touches compiles to the same kernels, only in fewer libraries (SharedPatch)."""
+    return _PATCH.active()
