@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 import staticrt
+from staticrt.artifacts.manifest import seal
 from staticrt.bench.perplexity import perplexity
 from staticrt.caches import CacheSpec
 from staticrt.cli.main import main
 from staticrt.errors import ArtifactError, ConfigError
 from staticrt.exporters import export_artifact
 from staticrt.models import a8_kernels
-from staticrt.models.a8_linear import int4_blocks, int4_weight, int8_codes, int8_groups
+from staticrt.models.a8_linear import int4_blocks, int4_groups, int4_ungrouped, int4_weight, int8_codes, int8_groups
 from staticrt.models.quant_spec import parse_quantize
 
 FAMILIES = ("llama", "qwen2", "gemma2", "llama-linear-tied")  # qwen2: q/k/v biases; the last: a tied head
@@ -209,13 +210,19 @@ def test_a8_exports_to_aoti_and_pt2_and_a_new_process_runs_it_on_the_kernels(hf_
     model = staticrt.load_model(hf_checkpoints["qwen2"][0], quantize=quantize)
     want = staticrt.Generator(model, max_cache_len=64).generate([PROMPT], 24)[0]
     folder = export_artifact(model, CacheSpec("static", 1, 64), [16], tmp_path / "a", ["aoti", "pt2"])
-    assert json.loads((folder / "manifest.json").read_text())["quantize"] == quantize
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (manifest["quantize"], manifest["a8_layout"]) == (quantize, 2)
     for backend in ("aoti", "pt2"):
         assert staticrt.load_artifact(folder, backend=backend).generate([PROMPT], 24)[0] == want
     command = ["staticrt", "run", str(folder), "--backend", "aoti", "--prompt-ids", ",".join(map(str, PROMPT))]
     run = subprocess.run([*command, "--max-new-tokens", "24", "--json"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["tokens"][0] == want
+    # an artifact of the int4 layout before 16-channel groups (no a8_layout field) is refused, not misread
+    del manifest["a8_layout"]
+    (folder / "manifest.json").write_text(json.dumps(seal(manifest)))
+    with pytest.raises(ArtifactError, match=r"field a8_layout is 1: its int4 codes are laid out for an earlier"):
+        staticrt.load_artifact(folder, backend="pt2")
 
 
 @kernel
@@ -232,19 +239,25 @@ def test_a8_keeps_the_real_models_perplexity(smollm2, english_text):
 
 def test_int4_blocks_pack_what_int4_weight_reads_back_to_within_half_a_step():
     """Every weight is within half its block's step d of d * q + m, the codes pack two a byte as
-    the kernel reads them, and a constant block (d 0) comes back exact."""
-    weight = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
+    the kernel reads them, int4_groups lays them out in 16-channel groups and back, and a constant
+    block (d 0) comes back exact."""
+    weight = torch.randn(18, 128, generator=torch.Generator().manual_seed(0))
     weight[2, 32:64] = 0.25
     codes, dm = int4_blocks(weight)
-    assert (codes.shape, codes.dtype, dm.shape, dm.dtype) == ((6, 64), torch.uint8, (6, 8), torch.float16)
+    assert (codes.shape, codes.dtype, dm.shape, dm.dtype) == ((18, 64), torch.uint8, (18, 4, 2), torch.float16)
     back = int4_weight(codes, dm)
-    step = dm.reshape(6, 2, 2, 2)[:, :, 0].reshape(6, 4).float().repeat_interleave(32, dim=1)
+    step = dm[..., 0].float().repeat_interleave(32, dim=1)
     assert ((back - weight).abs() <= step / 2 + 1e-3).all()
     assert torch.equal(back[2, 32:64], torch.full((32,), 0.25))
-    # byte 3 of the first 64 weights of channel 1 holds q_3 (block 0) low and q_35 (block 1) high
-    low, high = int(codes[1, 3]) & 15, int(codes[1, 3]) >> 4
-    d, m = dm[1, :4].float().reshape(2, 2)  # (d_0, d_1), (m_0, m_1)
-    assert torch.equal(back[1, [3, 35]], torch.stack([d[0] * low + m[0], d[1] * high + m[1]]))
+    # byte 4 * 5 + 3 of channel 1 holds q_43 (block 1) low and q_47 high: codes 8 * 5 + 3 and + 4
+    low, high = int(codes[1, 23]) & 15, int(codes[1, 23]) >> 4
+    d, m = dm[1, 1].float()
+    assert torch.equal(back[1, [43, 47]], torch.stack([d * low + m, d * high + m]))
+    grouped, scales = int4_groups(codes, dm)  # 18 channels: a group of 16, then 2 and 14 of zeros
+    assert (grouped.shape, scales.shape) == ((2, 16, 16, 4), (2, 4, 2, 16))
+    assert grouped[1, 5, 1, 3] == codes[17, 23] and torch.equal(scales[1, 1, :, 1], dm[17, 1])  # channel 16 + 1
+    assert not grouped[1, :, 2:].any() and not scales[1, :, :, 2:].any()
+    assert all(map(torch.equal, int4_ungrouped(grouped, scales, 18), (codes, dm)))
 
 
 @kernel
@@ -275,25 +288,26 @@ def test_int8_linear_is_the_integer_dot_product_of_each_block_on_a_ragged_last_g
 
 @kernel
 def test_int4_linear_is_each_blocks_integer_dot_product_and_a_rows_sums_whatever_rows_beside_it():
-    """`int4_linear`: 9 channels (a last block of one) and six rows (a step of four rows sharing
-    each unpacking of codes, then two one at a time), against sum_b s_b (d_b sum q xq + m_b sum xq)
-    with each block's integer dot product exact, in float64; each row's numbers are the ones it
-    gets alone, to the bit (prefill and decode agree)."""
+    """`int4_linear` over int4_groups' layout: 21 channels (a last group of 5 with 11 zero channels
+    past N) and six rows (a step of rows sharing each load, then the rest one at a time), against
+    sum_b s_b (d_b sum q xq + m_b sum xq) with each block's integer dot product exact, in float64;
+    each row's numbers are the ones it gets alone, to the bit (prefill and decode agree)."""
     generator = torch.Generator().manual_seed(4)
-    weight, x = torch.randn(9, 128, generator=generator), torch.randn(6, 128, generator=generator)
+    weight, x = torch.randn(21, 128, generator=generator), torch.randn(6, 128, generator=generator)
     x[2, 64:96] = 0
     codes, dm = int4_blocks(weight)
     a8_kernels.load("int4-a8")
-    y = torch.ops.staticrt.int4_linear(x, codes, dm)
+    y = torch.ops.staticrt.int4_linear(x, *int4_groups(codes, dm), 21)
     blocks = x.double().reshape(6, 4, 32)
     s = blocks.abs().amax(-1, keepdim=True) / 127
     s = torch.where(s > 0, s, torch.ones_like(s))
     xq = torch.round(blocks / s).long()  # [6, 4, 32]
-    # [N, 4 blocks, 32]: a 64-weight step's bytes hold block 2c in their low nibbles, 2c + 1 in the high
-    q = torch.stack([(codes.reshape(9, 2, 32) & 15), (codes.reshape(9, 2, 32) >> 4)], dim=2).long().reshape(9, 4, 32)
-    d, m = dm.double().reshape(9, 2, 2, 2).unbind(2)  # each [N, step, 2]: (d_2c, d_2c+1), (m_2c, m_2c+1)
-    dots = torch.einsum("mbi,nbi->mnb", xq, q).double()  # exact, [6, 9, 4]
-    want = (s[:, None, :, 0] * (d.reshape(1, 9, 4) * dots + m.reshape(1, 9, 4) * xq.sum(-1)[:, None, :])).sum(-1)
-    assert y.shape == (6, 9) and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
-    one_by_one = [torch.ops.staticrt.int4_linear(x[r : r + 1], codes, dm) for r in range(6)]
+    # [N, 4 blocks, 32]: each 4 bytes hold 8 codes, the first 4 in their low nibbles, the next 4 in the high
+    fours = codes.reshape(21, 16, 1, 4)
+    q = torch.cat([fours & 15, fours >> 4], dim=2).long().reshape(21, 4, 32)
+    d, m = dm.double().unbind(-1)  # each [N, 4 blocks]
+    dots = torch.einsum("mbi,nbi->mnb", xq, q).double()  # exact, [6, 21, 4]
+    want = (s[:, None, :, 0] * (d[None] * dots + m[None] * xq.sum(-1)[:, None, :])).sum(-1)
+    assert y.shape == (6, 21) and torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+    one_by_one = [torch.ops.staticrt.int4_linear(x[r : r + 1], *int4_groups(codes, dm), 21) for r in range(6)]
     assert torch.equal(y, torch.cat(one_by_one))  # a row's sums, in its order, whatever the rows beside it

@@ -22,6 +22,7 @@ from staticrt.caches import CacheSpec, build_cache
 from staticrt.errors import ConfigError
 from staticrt.exporters import export_artifact
 from staticrt.generation.generator import load_artifact
+from staticrt.models.a8_linear import int4_ungrouped
 from staticrt.models.expert_quant import QuantizedStack
 from staticrt.models.moe import SparseMoE
 from staticrt.models.quant_spec import QuantSpec
@@ -169,9 +170,9 @@ def dequantization_error_within_half_a_step(stack: QuantizedStack, weight: torch
     error = (stack.gather(torch.arange(experts), torch.float32) - weight.float()).abs()
     if stack.bits == 8:
         step = stack.scales[..., None]
-    else:  # dm: (d, d, m, m) a step of 64 inputs, for its blocks 2c and 2c + 1 of 32
-        step = stack.dm.float().view(experts, outputs, -1, 2, 2)[:, :, :, 0].reshape(experts, outputs, -1)
-        step = step.repeat_interleave(32, dim=-1)
+    else:  # dm: (d, m) a block of 32 inputs, in 16-channel groups on the kernels
+        dm = int4_ungrouped(stack.codes, stack.dm, outputs)[1] if stack.kernel else stack.dm
+        step = dm[..., 0].float().repeat_interleave(32, dim=-1)
     return bool(torch.all(error <= step * 0.51 + 1e-4))
 
 
@@ -214,7 +215,7 @@ def test_experts_decode_on_the_kernels_as_each_experts_own_linear(hf_checkpoints
     def linear(x: torch.Tensor, stack: QuantizedStack, e: int) -> torch.Tensor:  # one expert's own matrix product
         if stack.bits == 8:
             return torch.ops.staticrt.int8_linear(x, stack.codes[e], stack.scales[e])  # int8_linear's own layout
-        return torch.ops.staticrt.int4_linear(x, stack.codes[e], stack.dm[e])
+        return torch.ops.staticrt.int4_linear(x, stack.codes[e], stack.dm[e], stack.shape[0])  # its own layout
 
     for seed in range(4):  # one token a step: k of E experts, the gathered form
         x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed))

@@ -25,7 +25,7 @@ from ..errors import ArtifactError, check_positions
 from ..generation.host_sampling import choose
 from ..generation.params import SamplingParams
 from ..models.a8_kernels import load as load_kernels
-from ..models.quant_spec import A8_CHOICES
+from ..models.quant_spec import A8_CHOICES, A8_LAYOUT
 from .artifact_base import ArtifactBackend
 
 Program = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -128,6 +128,12 @@ class ExportedBackend(ArtifactBackend, RowStash):
                 f"offers {capability!r}; the compiled code may not run here: use --backend pt2 or re-export here"
             )
         if manifest.get("quantize") in A8_CHOICES:  # the programs call staticrt's kernels by name
+            layout = manifest.get("a8_layout", 1)
+            if manifest["quantize"] == "int4-a8" and layout != A8_LAYOUT:
+                raise ArtifactError(
+                    f"{folder / 'manifest.json'}: field a8_layout is {layout!r}: its int4 codes are laid out for "
+                    f"an earlier staticrt's kernels, this one's read layout {A8_LAYOUT}; {REEXPORT}"
+                )
             load_kernels(manifest["quantize"])
         self.constants = load_constants(folder, manifest)
         embedding = self.constants["model.embed_tokens.weight"]  # [V, C], as the weights file holds it

@@ -19,7 +19,7 @@ from ..caches.quantized import Int8KV
 from ..dtypes import dtype_name
 from ..errors import ArtifactError
 from ..models.decoder import Decoder
-from ..models.quant_spec import A8_CHOICES, QuantSpec, torchao_weights
+from ..models.quant_spec import A8_CHOICES, A8_LAYOUT, QuantSpec, torchao_weights
 
 EXPORTABLE_CACHES = ("static", "sliding", "hybrid", "auto")
 INT8_CACHES = tuple(kind for kind, cls in CACHE_CLASSES.items() if issubclass(cls, Int8KV))
@@ -77,6 +77,7 @@ def export_artifact(
             "cache": _cache_fields(cache),
             "dtype": dtype_name(param.dtype),
             "quantize": weights and weights.name,
+            **({"a8_layout": A8_LAYOUT} if weights and weights.name in A8_CHOICES else {}),
             "device": param.device.type,
             "prefill_buckets": sorted(set(buckets)),
             "formats": list(formats),

@@ -2,146 +2,130 @@
 compute), built with a8_source.py's shared part into one library."""
 
 SOURCE = r"""
-// (s_2c, s_2c+1, S_2c, S_2c+1) a row and 64-value step: the activation blocks' scales and code sums
-// times scale, in the order int4's (d, d, m, m) multiply them
-static std::vector<float> step_scales(const QuantizedRows& x, int64_t M, int64_t C) {
-  std::vector<float> sS(M * C * 4);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < C; ++c) {
-      float* out = sS.data() + (m * C + c) * 4;
-      out[0] = x.s[m * 2 * C + 2 * c], out[1] = x.s[m * 2 * C + 2 * c + 1];
-      out[2] = out[0] * x.n[m * 2 * C + 2 * c], out[3] = out[1] * x.n[m * 2 * C + 2 * c + 1];
-    }
-  return sS;
-}
-
-// `rows` (1..4) channels of int4 codes (w, a channel every K / 2 bytes; dm, (d, d, m, m) a step, a
-// channel every K / 16) against R rows' codes xr (a row every K) and step scales sr (a row every
-// C * 4) -> out[r * N + 0 .. rows). Each load and unpacking of codes is shared by the R rows; a row's
-// sums are the same operations in the same order whatever R, so prefill and decode agree to the bit.
+// int4_linear's weight: int8_linear's groups of 16 channels, a byte holding two codes: codes [G, K / 8,
+// 16, 4] (a8_linear.int4_groups), channel 16g + c's codes 8t + j in the low nibble of [g, t, c, j] and
+// 8t + 4 + j in its high one (j < 4), so that a 64-byte load's low nibbles are 16 channels' codes
+// 8t .. 8t + 3, what one vpdpbusd multiplies by 4 bytes of x in every lane, and its high nibbles the
+// next 4; dm [G, K / 32, 2, 16] float16, a block's 16 scales d then 16 minimums m. Rows m .. m + R
+// of x through the group at w: channel c's sum_b s_b (d_b sum_i q xq + m_b sum_i xq) into
+// y[r * N + c], c < rows. A row's sums are the same operations in the same order whatever R, so
+// prefill and decode agree to the bit.
 template <int R>
-static inline void int4_rows(const int8_t* xr, const float* sr, const uint8_t* w, const uint16_t* dm, int64_t K,
-                             int rows, float* out, int64_t N) {
-  const int64_t C = K / 64;
-  __m128 mins[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) mins[r][j] = _mm_setzero_ps();
+static inline void int4_group(const QuantizedRows& x, int64_t m, const uint8_t* w, const uint16_t* dm, int64_t K,
+                              int rows, float* y, int64_t N) {
+  const RowsAt at = rows_at(x, m, K);
+  float out[R][16];
 #if defined(__AVX512VNNI__)
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    __m512i xv[R];
-    __m128 ss[R];
-    for (int r = 0; r < R; ++r) {
-      xv[r] = _mm512_loadu_si512(xr + r * K + c * 64);
-      ss[r] = _mm_loadu_ps(sr + r * C * 4 + c * 4);
-    }
-    for (int j = 0; j < rows; ++j) {
-      const __m256i packed = _mm256_loadu_si256((const __m256i*)fetched(w + j * (K / 2) + c * 32));
-      const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(15));
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(15));
-      const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-      const __m128 dmh = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dm + j * (K / 16) + c * 4)));
+  const __m512i nibble = _mm512_set1_epi8(15);  // q is unsigned: vpdpbusd takes it against xq directly
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < at.B; ++b) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) {
+      const __m512i packed = _mm512_loadu_si512(fetched(w + (b * 4 + t) * 64));
+      const __m512i low = _mm512_and_si512(packed, nibble);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       for (int r = 0; r < R; ++r) {
-        const __m128 dmv = _mm_mul_ps(dmh, ss[r]);  // (d s, d s, m S, m S)
-        const __m512 scale = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(dmv));
-        acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, q, xv[r])), scale, acc[r][j]);
-        mins[r][j] = _mm_add_ps(mins[r][j], dmv);
+        int32_t four[2];
+        std::memcpy(four, at.q + r * K + b * 32 + 8 * t, 8);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], low, _mm512_set1_epi32(four[0]));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], high, _mm512_set1_epi32(four[1]));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + b * 32)));
+    const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + b * 32 + 16)));
+    for (int r = 0; r < R; ++r) {
+      const float s = at.s[r * at.B + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(s * (float)at.n[r * at.B + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
+#else  // AVX2: vpmaddubsw takes q (unsigned) against xq (a pair fits int16: 2 * 15 * 127), 8 channels a register
+  const __m256i ones = _mm256_set1_epi16(1), nibble = _mm256_set1_epi8(15);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < at.B; ++b) {
+    __m256i dot[R][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) {
+      const uint8_t* wt = fetched(w + (b * 4 + t) * 64);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i*)(wt + 32 * h));
+        const __m256i low = _mm256_and_si256(packed, nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          int32_t four[2];
+          std::memcpy(four, at.q + r * K + b * 32 + 8 * t, 8);
+          const __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(low, _mm256_set1_epi32(four[0])), ones);
+          const __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(high, _mm256_set1_epi32(four[1])), ones);
+          dot[r][h] = _mm256_add_epi32(dot[r][h], _mm256_add_epi32(lo, hi));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + b * 32 + 8 * h)));
+      const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + b * 32 + 16 + 8 * h)));
+      for (int r = 0; r < R; ++r) {
+        const float s = at.s[r * at.B + b];
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(s)), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(mins, _mm256_set1_ps(s * (float)at.n[r * at.B + b]), acc[r][h]);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < rows; ++j) {
-      const __m128 hi = _mm_movehl_ps(mins[r][j], mins[r][j]);  // lanes 2, 3: the minimums' terms
-      const float minimums = _mm_cvtss_f32(_mm_add_ss(hi, _mm_movehdup_ps(hi)));
-      out[r * N + j] = _mm512_reduce_add_ps(acc[r][j]) + minimums;
-    }
-#else  // AVX2: maddubs takes q (unsigned) against xr (pairs fit int16: 2 * 15 * 127)
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    __m256i x0[R], x1[R];
-    __m128 ss[R];
-    for (int r = 0; r < R; ++r) {
-      x0[r] = _mm256_loadu_si256((const __m256i*)(xr + r * K + c * 64));
-      x1[r] = _mm256_loadu_si256((const __m256i*)(xr + r * K + c * 64 + 32));
-      ss[r] = _mm_loadu_ps(sr + r * C * 4 + c * 4);
-    }
-    for (int j = 0; j < rows; ++j) {
-      const __m256i packed = _mm256_loadu_si256((const __m256i*)fetched(w + j * (K / 2) + c * 32));
-      const __m256i low = _mm256_and_si256(packed, _mm256_set1_epi8(15));
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), _mm256_set1_epi8(15));
-      const __m128 dmh = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(dm + j * (K / 16) + c * 4)));
-      for (int r = 0; r < R; ++r) {
-        const __m128 dmv = _mm_mul_ps(dmh, ss[r]);  // (d s, d s, m S, m S)
-        const __m256i dot0 = _mm256_madd_epi16(_mm256_maddubs_epi16(low, x0[r]), ones);
-        const __m256i dot1 = _mm256_madd_epi16(_mm256_maddubs_epi16(high, x1[r]), ones);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot0), _mm256_broadcastss_ps(dmv), acc[r][j]);
-        acc[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot1), _mm256_broadcastss_ps(_mm_movehdup_ps(dmv)), acc[r][j]);
-        mins[r][j] = _mm_add_ps(mins[r][j], dmv);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < rows; ++j) {
-      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r][j]), _mm256_extractf128_ps(acc[r][j], 1));
-      const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-      const __m128 hi = _mm_movehl_ps(mins[r][j], mins[r][j]);
-      out[r * N + j] = _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter))) +
-                       _mm_cvtss_f32(_mm_add_ss(hi, _mm_movehdup_ps(hi)));
-    }
+  store_halves<R>(out, acc);
 #endif
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < rows; ++c) y[r * N + c] = out[r][c];
 }
 
-// Rows a step of int4_linear shares each unpacking of codes between (2 and 8 were no faster)
-constexpr int INT4_ROWS = 4;
+static void check_int4(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& dm, int64_t lead,
+                       int64_t N, const char* op) {
+  const int64_t K = x.size(1), G = (N + 15) / 16, at = codes.dim() - 4;
+  TORCH_CHECK(K % 64 == 0 && codes.dim() == lead + 4 && codes.is_contiguous() && codes.size(at) == G &&
+                  codes.size(at + 1) * 8 == K && codes.size(at + 2) == 16 && codes.size(at + 3) == 4 &&
+                  dm.dim() == lead + 4 && dm.is_contiguous() && dm.size(at) == G && dm.size(at + 1) * 32 == K &&
+                  dm.size(at + 2) == 2 && dm.size(at + 3) == 16,
+              op, ": codes must be [N / 16 rounded up, K / 8, 16, 4] uint8 and dm [N / 16 rounded up, K / 32, 2, 16] ",
+              "float16 (a8_linear.int4_groups), K a multiple of 64");
+}
 
-// x [M, K] float32 (K % 64 == 0), codes [N, K / 2] uint8 (two a byte, module docstring),
-// dm [N, K / 16] float16 ((d, d, m, m) a 64-weight step) -> [M, N] float32
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm) {
+// x [M, K] float32 (K % 64 == 0), codes [G, K / 8, 16, 4] uint8 and dm [G, K / 32, 2, 16] float16
+// (int4_group's layout) for n channels -> [M, n] float32
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor dm, int64_t n) {
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), C = K / 64;
-  TORCH_CHECK(K % 64 == 0 && codes.size(1) * 2 == K && dm.size(1) * 16 == K,
-              "int4_linear: K must be a multiple of 64 and match the codes and scales");
+  const int64_t M = x.size(0), K = x.size(1), N = n;
+  check_int4(x, codes, dm, 0, N, "int4_linear");
   auto y = torch::empty({M, N}, x.options());
   const QuantizedRows xr = quantize_rows(x);
-  const std::vector<float> sS = step_scales(xr, M, C);
   const uint8_t* wp = codes.data_ptr<uint8_t>();
   const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  each_channel_block<4, INT4_ROWS>(M, N, [&](int64_t m, int64_t n0, int rows, int count) {
-    const int8_t* xm = xr.q.data() + m * K;
-    const float* sm = sS.data() + m * C * 4;
-    if (count == INT4_ROWS)
-      int4_rows<INT4_ROWS>(xm, sm, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows, yp + m * N + n0, N);
+  each_channel_block<16, A8_ROWS>(M, N, [&](int64_t m, int64_t n0, int rows, int count) {
+    if (count == A8_ROWS)
+      int4_group<A8_ROWS>(xr, m, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows, yp + m * N + n0, N);
     else
-      int4_rows<1>(xm, sm, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows, yp + m * N + n0, N);
+      int4_group<1>(xr, m, wp + n0 * (K / 2), dmp + n0 * (K / 16), K, rows, yp + m * N + n0, N);
   });
   return y;
 }
 
-// x [R, K] float32 (K % 64 == 0), codes [E, N, K / 2] uint8, dm [E, N, K / 16] float16, index [R]
-// int64 -> [R, N] float32: int8_experts for int4 codes
-torch::Tensor int4_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor dm, torch::Tensor index) {
+// x [R, K] float32 (K % 64 == 0), codes [E, G, K / 8, 16, 4] uint8, dm [E, G, K / 32, 2, 16] float16
+// (each expert's int4_linear layout), index [R] int64 -> [R, n] float32: int8_experts for int4 codes
+torch::Tensor int4_experts(torch::Tensor x, torch::Tensor codes, torch::Tensor dm, torch::Tensor index, int64_t n) {
   x = x.contiguous();
-  const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), N = codes.size(1), C = K / 64;
-  TORCH_CHECK(K % 64 == 0 && codes.size(2) * 2 == K && dm.size(2) * 16 == K,
-              "int4_experts: K must be a multiple of 64 and match the codes and scales");
+  const int64_t R = x.size(0), K = x.size(1), E = codes.size(0), N = n, G = (N + 15) / 16;
+  check_int4(x, codes, dm, 1, N, "int4_experts");
+  TORCH_CHECK(dm.size(0) == E, "int4_experts: codes and dm must hold the same experts");
   auto y = torch::empty({R, N}, x.options());
   const QuantizedRows xr = quantize_rows(x);
-  const std::vector<float> sS = step_scales(xr, R, C);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint16_t* dmp = (const uint16_t*)dm.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  each_expert_block<4>(index, R, E, N, "int4_experts", [&](int64_t r, int64_t n0, int rows, int64_t e) {
-    const int64_t channel = e * N + n0;  // in the stack seen as one [E * N, K] matrix
-    int4_rows<1>(xr.q.data() + r * K, sS.data() + r * C * 4, cp + channel * (K / 2), dmp + channel * (K / 16), K,
-                 rows, yp + r * N + n0, N);
+  each_expert_block<16>(index, R, E, N, "int4_experts", [&](int64_t r, int64_t n0, int rows, int64_t e) {
+    const int64_t channel = e * G * 16 + n0;  // in the stack seen as one [E * G * 16, K] matrix
+    int4_group<1>(xr, r, cp + channel * (K / 2), dmp + channel * (K / 16), K, rows, yp + r * N + n0, N);
   });
   return y;
 }

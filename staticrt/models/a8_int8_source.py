@@ -13,10 +13,7 @@ SOURCE = r"""
 template <int R>
 static inline void int8_group(const QuantizedRows& x, int64_t m, const int8_t* w, const float* scales, int64_t K,
                               int rows, float* y, int64_t N) {
-  const int64_t B = K / 32;
-  const int8_t* xq = x.q.data() + m * K;
-  const float* xs = x.s.data() + m * B;
-  const int32_t* xn = x.n.data() + m * B;
+  const RowsAt at = rows_at(x, m, K);
   float out[R][16];
 #if defined(__AVX512VNNI__)
   // vpdpbusd takes unsigned bytes against signed ones: w + 128 (w ^ 0x80) against xq, a block's
@@ -24,26 +21,26 @@ static inline void int8_group(const QuantizedRows& x, int64_t m, const int8_t* w
   const __m512i flip = _mm512_set1_epi8((char)0x80);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < at.B; ++b) {
     __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(-128 * xn[r * B + b]);
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(-128 * at.n[r * at.B + b]);
     for (int t = 0; t < 8; ++t) {
       const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(fetched(w + (b * 8 + t) * 64)), flip);
       for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, xq + r * K + b * 32 + 4 * t, 4);
+        std::memcpy(&four, at.q + r * K + b * 32 + 4 * t, 4);
         dot[r] = _mm512_dpbusd_epi32(dot[r], wv, _mm512_set1_epi32(four));
       }
     }
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(xs[r * B + b]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(at.s[r * at.B + b]), acc[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out[r], acc[r]);
 #else  // AVX2: vpmaddubsw takes |xq| against w with xq's sign (a pair fits int16), 8 channels a register
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < at.B; ++b) {
     __m256i dot[R][2];
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int t = 0; t < 8; ++t) {
@@ -51,7 +48,7 @@ static inline void int8_group(const QuantizedRows& x, int64_t m, const int8_t* w
       const __m256i wv[2] = {_mm256_loadu_si256((const __m256i*)wt), _mm256_loadu_si256((const __m256i*)(wt + 32))};
       for (int r = 0; r < R; ++r) {
         int32_t four;
-        std::memcpy(&four, xq + r * K + b * 32 + 4 * t, 4);
+        std::memcpy(&four, at.q + r * K + b * 32 + 4 * t, 4);
         const __m256i xv = _mm256_set1_epi32(four), magnitude = _mm256_sign_epi8(xv, xv);
         for (int h = 0; h < 2; ++h) {
           const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv[h], xv));
@@ -61,23 +58,13 @@ static inline void int8_group(const QuantizedRows& x, int64_t m, const int8_t* w
     }
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h)
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_set1_ps(xs[r * B + b]), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_set1_ps(at.s[r * at.B + b]), acc[r][h]);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(out[r], acc[r][0]);
-    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
-  }
+  store_halves<R>(out, acc);
 #endif
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < rows; ++c) y[r * N + c] = out[r][c] * scales[c];
 }
-
-// Rows a step of int8_linear shares each load of codes between: as many as the registers hold
-#if defined(__AVX512VNNI__)
-constexpr int INT8_ROWS = 4;
-#else
-constexpr int INT8_ROWS = 2;
-#endif
 
 // x [M, K] float32 (K % 64 == 0), w [G, K / 4, 16, 4] int8 (int8_group's layout), scales [N] float32 -> [M, N] float32
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales) {
@@ -92,9 +79,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  each_channel_block<16, INT8_ROWS>(M, N, [&](int64_t m, int64_t n0, int rows, int count) {
-    if (count == INT8_ROWS)
-      int8_group<INT8_ROWS>(xr, m, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0, N);
+  each_channel_block<16, A8_ROWS>(M, N, [&](int64_t m, int64_t n0, int rows, int count) {
+    if (count == A8_ROWS)
+      int8_group<A8_ROWS>(xr, m, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0, N);
     else
       int8_group<1>(xr, m, wp + n0 * K, sp + n0, K, rows, yp + m * N + n0, N);
   });

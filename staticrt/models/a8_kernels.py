@@ -22,14 +22,18 @@ block's sums are scaled by s_b into float; the row's float sum ends times the ch
 int4: w = d_b * q + m_b with q in 0..15 (unsigned, so `vpdpbusd` takes q against xq directly), so
 the row's sum is sum_b s_b * (d_b * sum_i q_i xq_i + m_b * sum_i xq_i): the second term needs only
 each activation block's code sum (S_b = s_b * sum_i xq_i), once a row.
-Codes are packed 64 weights to 32 bytes: byte j holds q_j (low nibble) and q_j+32 (high), so the
-low nibbles of 32 bytes are block 2c in order and the high ones block 2c+1; each channel's (d, m)
-pairs are float16, as (d_2c, d_2c+1, m_2c, m_2c+1) a 64-weight step.
+The codes lie in int8's groups of 16 channels, two a byte (a8_linear.int4_groups): a 64-byte load
+holds 16 channels' codes 8t .. 8t+7, the low nibbles 8t .. 8t+3 and the high ones 8t+4 .. 8t+7, so
+`vpdpbusd` takes the low nibbles against xq[8t .. 8t+3] and the high ones against the next 4 into
+the same 16 sums; a block's 16 scales d and 16 minimums m are float16, side by side, each block's
+sums times s_b * d (and s_b * sum_i xq_i times m) added into 16 float lanes as int8's are. The
+16-channel groups took SmolLM2's 512-token int4 prefill from 1.26x its float32 prefill's time to
+0.75x (one channel a register and a horizontal sum a row and channel before; docs/measurements.md).
 
 `int8_experts` and `int4_experts` are those for a mixture of experts' step: each activation row
 through the codes of its own expert (a token's k chosen ones), read in place (expert_quant.py);
-each expert's int8 codes in int8_linear's groups, so that a channel's number is the one its
-expert's own int8_linear gives.
+each expert's codes in its linear's groups, so that a channel's number is the one its expert's own
+int8_linear (int4_linear) gives.
 
 Compiled on first use (torch's cpp_extension, ~20 s) into the user cache, once a machine, torch,
 source and instruction set; a later process loads the library.
@@ -130,21 +134,19 @@ def build() -> None:
             f"staticrt's CPU kernels, which could not be built in {folder}: {str(err).splitlines()[0]}; "
             f"install a C++ compiler that takes {' '.join(flags)} (g++ 10 or newer does)"
         ) from None
-    for op in ("int8_linear", "int4_linear"):  # for torch.compile: [M, K] x [N, ...] -> [M, N]
-        torch.library.register_fake(f"staticrt::{op}")(_shape)
-    for op in ("int8_experts", "int4_experts"):  # [R, K] x [E, N, ...] -> [R, N]
-        torch.library.register_fake(f"staticrt::{op}")(_experts_shape)
+    # for torch.compile: x [M, K] (a row an expert's input for the experts) -> [M, N], N int8's scales'
+    # last length, int4's `n`
+    fakes = {
+        "int8_linear": lambda x, codes, scales: x.new_empty(x.shape[0], scales.shape[-1]),
+        "int4_linear": lambda x, codes, dm, n: x.new_empty(x.shape[0], n),
+        "int8_experts": lambda x, codes, scales, index: x.new_empty(x.shape[0], scales.shape[-1]),
+        "int4_experts": lambda x, codes, dm, index, n: x.new_empty(x.shape[0], n),
+    }
+    for op, fake in fakes.items():
+        torch.library.register_fake(f"staticrt::{op}")(fake)
     torch.library.register_fake("staticrt::f32_packed_linear")(_packed_shape)
     torch.library.register_fake("staticrt::f32_experts")(_f32_experts_shape)
     _loaded = True
-
-
-def _shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], scales.shape[0])  # scales [N] (int8) or dm [N, K / 16] (int4)
-
-
-def _experts_shape(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], scales.shape[1])  # scales [E, N] (int8) or dm [E, N, K / 16] (int4)
 
 
 def _f32_experts_shape(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .a8_kernels import BLOCK, STEP
-from .channel_groups import channel_groups
+from .a8_kernels import BLOCK
+from .channel_groups import GROUP, channel_groups, channel_ungrouped
 
 
 class A8Linear(nn.Module):
@@ -53,41 +53,59 @@ def int8_groups(codes: torch.Tensor) -> torch.Tensor:
 
 
 class Int4Linear(A8Linear):
-    """int4 codes, two a byte `[N, K / 2]`, and float16 (d, d, m, m) `[N, K / 16]`: each block of
-    32 weights of a channel is w = d * q + m, q in 0..15, d = (max - min) / 15 and m = min
-    (llama.cpp's Q4_1), packed as the kernel reads them (a8_kernels.py's docstring)."""
+    """int4 codes and float16 scales and minimums, each block of 32 weights of a channel w = d * q +
+    m, q in 0..15, d = (max - min) / 15 and m = min (llama.cpp's Q4_1), in the kernel's groups of 16
+    channels (`int4_groups`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, parts: dict[str, int] | None = None):
         super().__init__(bias, parts)
-        codes, dm = int4_blocks(weight.detach().float())
+        self.out_features = weight.shape[0]
+        codes, dm = int4_groups(*int4_blocks(weight.detach().float()))
         self.register_buffer("codes", codes)
         self.register_buffer("dm", dm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:  # x [..., K] -> [..., N]
-        return self.finish(torch.ops.staticrt.int4_linear(x.reshape(-1, x.shape[-1]), self.codes, self.dm), x)
+        y = torch.ops.staticrt.int4_linear(x.reshape(-1, x.shape[-1]), self.codes, self.dm, self.out_features)
+        return self.finish(y, x)
 
 
 def int4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`w [N, K]` float32 -> (codes `[N, K / 2]` uint8, dm `[N, K / 16]` float16). d and m are
-    rounded to float16 first and q from them, so d * q + m is exactly what the kernel computes
-    with. Packing, for 64 weights of a channel at a time: byte j holds q_j | q_j+32 << 4."""
-    n, k = w.shape
-    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    """`w [..., N, K]` float32 -> (codes `[..., N, K / 2]` uint8, dm `[..., N, K / 32, 2]` float16,
+    a block's (d, m)). d and m are rounded to float16 first and q from them, so d * q + m is
+    exactly what the kernel computes with. Packing, 8 weights of a channel at a time: byte 4t + j
+    holds q_8t+j (low nibble) and q_8t+4+j (high), j < 4."""
+    *lead, k = w.shape
+    blocks = w.reshape(*lead, k // BLOCK, BLOCK)
     low, high = blocks.amin(-1), blocks.amax(-1)
     d = ((high - low) / 15).half()
     d = torch.where(d > 0, d, torch.ones_like(d))  # a constant block: every q is 0, w = m
     m = low.half()
     q = torch.round((blocks - m.float()[..., None]) / d.float()[..., None]).clamp(0, 15).to(torch.uint8)
-    pairs = q.reshape(n, k // STEP, 2, BLOCK)  # [N, steps, (block 2c, block 2c+1), 32]
-    codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
-    dm = torch.stack([d.reshape(n, -1, 2), m.reshape(n, -1, 2)], dim=2).reshape(n, k // 16)  # (d, d, m, m) a step
-    return codes.contiguous(), dm.contiguous()
+    eights = q.reshape(*lead, k // 8, 2, 4)  # [..., N, K / 8, (low, high), 4]
+    codes = (eights[..., 0, :] | (eights[..., 1, :] << 4)).reshape(*lead, k // 2)
+    return codes.contiguous(), torch.stack([d, m], dim=-1).contiguous()
 
 
 def int4_weight(codes: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """The float32 weight `[N, K]` that `Int4Linear`'s codes and scales stand for (d * q + m)."""
-    n = codes.shape[0]
-    pairs = codes.reshape(n, -1, 1, BLOCK).to(torch.int32)  # ONNX's BitShift would mix uint8 and int8 types
-    q = torch.cat([pairs & 15, pairs >> 4], dim=2).float()  # [N, steps, 2, 32]
-    scales = dm.reshape(n, -1, 2, 2).float()  # [N, steps, (d, m), (block 2c, 2c+1)]
-    return (q * scales[:, :, 0, :, None] + scales[:, :, 1, :, None]).reshape(n, -1)
+    """The float32 weight `[..., N, K]` that `int4_blocks`' codes and scales stand for (d * q + m)."""
+    *lead, half = codes.shape
+    fours = codes.reshape(*lead, half // 4, 1, 4).to(torch.int32)  # ONNX's BitShift would mix uint8 and int8 types
+    q = torch.cat([fours & 15, fours >> 4], dim=-2).float().reshape(*lead, half * 2 // BLOCK, BLOCK)
+    return (q * dm[..., 0, None].float() + dm[..., 1, None].float()).reshape(*lead, half * 2)
+
+
+def int4_groups(codes: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_blocks`' codes and dm as `int4_linear` reads them: codes `[..., G, K / 8, 16, 4]`, 16
+    channels' next 8 codes (4 bytes) a 64-byte load (channel_groups.py), and dm `[..., G, K / 32,
+    2, 16]`, a block's 16 scales then 16 minimums (channels past N: codes, d and m zero)."""
+    *lead, n, blocks, _ = dm.shape
+    padded = torch.nn.functional.pad(dm, (0, 0, 0, 0, 0, -n % GROUP))
+    grouped = padded.view(*lead, -1, GROUP, blocks, 2).permute(*range(len(lead)), -4, -2, -1, -3)
+    return channel_groups(codes, 4), grouped.contiguous()
+
+
+def int4_ungrouped(codes: torch.Tensor, dm: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_groups`' layout back to `int4_blocks`' for its N channels."""
+    *lead, g, blocks, _, _ = dm.shape
+    flat = dm.permute(*range(len(lead)), -4, -1, -3, -2).reshape(*lead, g * GROUP, blocks, 2)[..., :n, :, :]
+    return channel_ungrouped(codes, n), flat

@@ -42,6 +42,36 @@ static QuantizedRows quantize_rows(const torch::Tensor& x) {
   return r;
 }
 
+// Row m of x's codes, scales and code sums (a block of 32 a scale and sum): what int8_group and
+// int4_group read for their rows m, m + 1, ... (a row every K codes, every K / 32 scales and sums)
+struct RowsAt {
+  const int8_t* q;
+  const float* s;
+  const int32_t* n;
+  int64_t B;
+};
+static inline RowsAt rows_at(const QuantizedRows& x, int64_t m, int64_t K) {
+  return {x.q.data() + m * K, x.s.data() + m * (K / 32), x.n.data() + m * (K / 32), K / 32};
+}
+
+#if !defined(__AVX512VNNI__)
+// AVX2's 16 channels in two registers a row, acc[r][0] channels 0..7 and acc[r][1] 8..15, into out[r]
+template <int R> static inline void store_halves(float (*out)[16], __m256 (*acc)[2]) {
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out[r], acc[r][0]);
+    _mm256_storeu_ps(out[r] + 8, acc[r][1]);
+  }
+}
+#endif
+
+// Rows a step of int8_linear and int4_linear shares each load of a group's codes between: as many as
+// the registers hold
+#if defined(__AVX512VNNI__)
+constexpr int A8_ROWS = 4;
+#else
+constexpr int A8_ROWS = 2;
+#endif
+
 // run(m, n0, rows, count) for each W channels n0.. of a matrix of N (rows: W, or what is left) and
 // its rows m .. m + count of x, count = R while R are left, then 1: the channels split between
 // threads, R rows sharing each load of the W channels' weights
@@ -73,8 +103,8 @@ template <int W, class Run> static void each_expert_block(const torch::Tensor& i
 
 TORCH_LIBRARY(staticrt, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor codes, Tensor dm) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor codes, Tensor dm, int n) -> Tensor");
   m.def("int8_experts(Tensor x, Tensor codes, Tensor scales, Tensor index) -> Tensor");
-  m.def("int4_experts(Tensor x, Tensor codes, Tensor dm, Tensor index) -> Tensor");
+  m.def("int4_experts(Tensor x, Tensor codes, Tensor dm, Tensor index, int n) -> Tensor");
 }
 """

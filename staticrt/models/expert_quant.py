@@ -14,9 +14,10 @@ projections run take one matrix. Two ways keep every shape static:
 
 Layouts, for a stack `[E, N, K]` (E experts of N outputs over K inputs): int8 `codes [E, N, K]`
 with `scales [E, N]` (w = scale * q, scale = max |w| / 127 of the row); int4 `codes [E, N, K / 2]`
-with float16 `dm [E, N, K / 16]` (w = d * q + m a block of 32, llama.cpp's Q4_1 numbers, packed
-64 weights to 32 bytes as `a8_linear.int4_blocks` says). Worked, int8: expert 3's row 5 is
-`codes[3, 5]`, the kernel's channel 3 * N + 5 of the stack seen as one `[E * N, K]` matrix.
+with float16 `dm [E, N, K / 32, 2]` (w = d * q + m a block of 32, llama.cpp's Q4_1 numbers, packed
+8 weights to 4 bytes as `a8_linear.int4_blocks` says). On the kernels each expert's codes are in
+its linear's groups of 16 channels (`int8_groups`, `int4_groups`). Worked, int8: expert 3's row 5
+is `codes[3, 5]`; on the kernel, `codes[3, 0, :, 5]`, channel 5 of expert 3's first group.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import ConfigError
 from .a8_kernels import STEP
-from .a8_linear import int4_blocks, int4_weight, int8_codes, int8_groups
+from .a8_linear import int4_blocks, int4_groups, int4_ungrouped, int4_weight, int8_codes, int8_groups
 from .channel_groups import channel_ungrouped
 from .moe import expert_rows
 from .quant_spec import QuantSpec
@@ -38,33 +39,36 @@ from .quant_spec import QuantSpec
 
 class QuantizedStack(nn.Module):
     """One stacked expert weight `[E, N, K]` as codes (a8_linear.py's `int8_codes`, `int4_blocks`):
-    int8 `codes [E, N, K]` (on the kernel, each expert's in `int8_linear`'s groups: `[E, G, K / 4,
-    16, 4]`) and `scales [E, N]`, one an output row; int4 `codes [E, N, K / 2]` and
-    float16 `dm [E, N, K / 16]`, a scale and minimum a block of 32. `kernel`: on staticrt's CPU
+    int8 `codes [E, N, K]` and `scales [E, N]`, one an output row; int4 `codes [E, N, K / 2]` and
+    float16 `dm [E, N, K / 32, 2]`, a scale and minimum a block of 32. `kernel`: on staticrt's CPU
     kernels (`int8_experts`, `int4_experts`: quantize "int8-a8", "int4-a8"), which multiply the
-    chosen experts' codes in place; otherwise what a step gathers is dequantized."""
+    chosen experts' codes in place, each expert's in its linear's groups (`int8_groups`:
+    `[E, G, K / 4, 16, 4]`; `int4_groups`); otherwise what a step gathers is dequantized."""
 
     def __init__(self, weight: torch.Tensor, bits: int, kernel: bool) -> None:
         super().__init__()
         experts, outputs, inputs = weight.shape
         self.bits, self.kernel, self.shape = bits, kernel, (outputs, inputs)
-        flat = weight.detach().float().reshape(experts * outputs, inputs)  # E * N rows, an expert's N after another
-        for name, buffer in zip(
-            ("codes", "scales" if bits == 8 else "dm"), (int8_codes if bits == 8 else int4_blocks)(flat)
-        ):
-            buffer = buffer.view(experts, outputs, *buffer.shape[1:])
-            self.register_buffer(name, int8_groups(buffer) if kernel and name == "codes" and bits == 8 else buffer)
+        if bits == 8:
+            codes, scales = int8_codes(weight.detach().float().reshape(experts * outputs, inputs))
+            codes, scales = codes.view(experts, outputs, inputs), scales.view(experts, outputs)
+            self.register_buffer("codes", int8_groups(codes) if kernel else codes)
+            self.register_buffer("scales", scales)
+        else:
+            codes, dm = int4_blocks(weight.detach().float())
+            codes, dm = int4_groups(codes, dm) if kernel else (codes, dm)
+            self.register_buffer("codes", codes)
+            self.register_buffer("dm", dm)
 
     def gather(self, index: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
         """The experts at `index` (any shape, or one expert) dequantized: `[*index, N, K]` in `dtype`."""
-        codes = self.codes[index]
-        if self.bits == 8 and self.kernel:
-            codes = channel_ungrouped(codes, self.shape[0])
-        lead = codes.shape[:-2]
         if self.bits == 8:
+            codes = self.codes[index]
+            codes = channel_ungrouped(codes, self.shape[0]) if self.kernel else codes
             return codes.to(dtype) * self.scales[index].to(dtype)[..., None]
-        flat = int4_weight(codes.reshape(-1, codes.shape[-1]), self.dm[index].reshape(-1, self.dm.shape[-1]))
-        return flat.view(*lead, *self.shape).to(dtype)
+        codes, dm = self.codes[index], self.dm[index]
+        codes, dm = int4_ungrouped(codes, dm, self.shape[0]) if self.kernel else (codes, dm)
+        return int4_weight(codes, dm).to(dtype)
 
     def project(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """`x [T, K]` (a token's input to each of its experts) or `[T, k, K]` (one a chosen expert)
@@ -74,7 +78,7 @@ class QuantizedStack(nn.Module):
         if self.bits == 8:
             out = torch.ops.staticrt.int8_experts(rows, self.codes, self.scales, chosen.reshape(-1))
         else:
-            out = torch.ops.staticrt.int4_experts(rows, self.codes, self.dm, chosen.reshape(-1))
+            out = torch.ops.staticrt.int4_experts(rows, self.codes, self.dm, chosen.reshape(-1), self.shape[0])
         return out.view(tokens, k, -1)
 
 

@@ -9,6 +9,9 @@ from ..errors import ConfigError
 
 INT4_GROUP_SIZES = (32, 64, 128)
 A8_CHOICES = ("int8-a8", "int4-a8")  # int8 activations too, in staticrt's own CPU kernels
+# The layout of the codes an artifact's programs hand staticrt's kernels (manifest field "a8_layout"):
+# 1 (no field) before int4's codes went into 16-channel groups; int8's are the same in both.
+A8_LAYOUT = 2
 QUANTIZE_CHOICES = ("int8", "int8-a8", "int8-wo", "int4", "int4-a8", *(f"int4-g{g}" for g in INT4_GROUP_SIZES))
 
 
