@@ -101,7 +101,11 @@ class _Module:
         sources = [_library_source(self.kernels, numbers) for numbers in groups]
         if any(source is None for source in sources):
             return None
-        loads = [Bindings.load_async(source, "cpu", submit_fn=AsyncCompile.submit) for source in sources]
+        # Side by side in inductor's pool; with one compile thread (a 1-CPU machine, or
+        # TORCHINDUCTOR_COMPILE_THREADS=1) each when loaded, as inductor does: there `submit` runs
+        # the build at once, inside the file lock load_async holds, which the build takes again.
+        submit = AsyncCompile.submit if libraries > 1 else None
+        loads = [Bindings.load_async(source, "cpu", submit_fn=submit) for source in sources]
         functions = []
         for numbers, load in zip(groups, loads, strict=True):
             library = load()
