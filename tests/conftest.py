@@ -13,8 +13,14 @@ import pytest
 # waiting for. Sleeping instead (read once, when torch loads libgomp; subprocesses inherit it)
 # took test_mamba + test_recurrent from 887 to 508 CPU-seconds and 632 to 503 s of wall time
 # (docs/measurements.md, "The test suite"); eager decoding and transformers' reference 2-5x faster.
+# For the same reason inductor compiles in the worker's own thread: its pool of compile threads
+# (one a CPU) builds a graph's kernels as two libraries side by side, each g++ loading the 140 MB
+# precompiled header, for a second core the other worker is using: test_families' compiled tests
+# + test_speculative, cold inductor cache, 233 against 236-256 CPU-s and 130 against 134-139 s
+# (docs/measurements.md). test_compiled.py runs the two-thread libraries on purpose.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
