@@ -1,4 +1,4 @@
-"""A patch of inductor's build, installed while anyone needs it."""
+"""A patch of how a library builds (inductor's C++ builds, onnxscript's rewrites), installed while anyone needs it."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ log = logging.getLogger("staticrt")
 
 
 class SharedPatch:
-    """`install()` patches torch and returns what undoes it; `active()` holds it installed while
-    anyone is inside. Re-entrant and shared between threads: what it patches changes how
-    inductor builds code, never what the code is, so a graph compiled beside it by another
-    thread loses nothing. On another torch, where `install` finds no such names, inductor builds
-    as it does (`fallback` says so in the debug log)."""
+    """`install()` patches the library and returns what undoes it; `active()` holds it installed
+    while anyone is inside. Re-entrant and shared between threads: what it patches changes how
+    the library builds, never what it builds, so a graph built beside it by another thread loses
+    nothing. On another version, where `install` finds no such names, the library builds as it
+    does (`fallback` says so in the debug log)."""
 
     def __init__(self, install: Callable[[], Callable[[], None]], fallback: str) -> None:
         self._install, self._fallback = install, fallback

@@ -65,6 +65,7 @@ from ..errors import ArtifactError
 from ..models.decoder import Decoder
 from ..models.expert_quant import experts_quantized
 from ..models.quant_spec import QuantSpec
+from .onnx_rewrites import multi_output_rules_at_their_op
 from .onnx_step import OnnxStep
 
 OPSET = 24
@@ -130,7 +131,7 @@ def export_graph(model: Decoder, cache: KVCache, path: Path) -> None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), multi_output_rules_at_their_op():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 step,
