@@ -246,15 +246,17 @@ def test_a_gbnf_or_lark_grammar_gives_transformers_tokens_with_the_same_librarys
 
 @pytest.fixture(scope="module")
 def served(smollm2):
-    """SmolLM2 served on loopback (eager, 8 rows): its URL."""
+    """SmolLM2 served on loopback (eager, 8 rows) as `staticrt serve` serves it: a prompt prefills in
+    a batch-1 prefiller, and fewer busy rows than 8 decode in a narrower twin (without one, each
+    request's prefill computed all 8 rows: its 253-token tool prompt 4x the time). Its URL."""
     pytest.importorskip("fastapi", reason="serving needs the serve extra: use the README's test command")
     from serving import running
 
     from staticrt.serve import serve_backend
 
     model = staticrt.load_model(smollm2)
-    backend = staticrt.Generator(model, max_batch_size=8, max_cache_len=512).backend
-    app, _ = serve_backend(backend, model.tokenizer, name="smollm2")
+    backend, prefiller = (staticrt.Generator(model, max_batch_size=n, max_cache_len=512).backend for n in (8, 1))
+    app, _ = serve_backend(backend, model.tokenizer, name="smollm2", prefiller=prefiller)
     with running(app) as url:
         yield url
 
