@@ -26,7 +26,7 @@ def _first_output_at_its_op(rule: Any) -> Any:
     from onnxscript.rewriter import _rewrite_rule
 
     wanted = rule._target_pattern.output_nodes[0].op_identifier()  # (domain, op_type, overload)
-    if wanted is None:  # a pattern node of any op: every node can start it
+    if wanted is None or not isinstance(rule, _rewrite_rule.RewriteRule):  # any op can start it; a rule of another kind
         return rule
 
     class FirstOutputFirst(type(rule)):  # type: ignore[misc]
@@ -35,7 +35,6 @@ def _first_output_at_its_op(rule: Any) -> Any:
                 return None
             return super().try_rewrite(model, graph, node, **options)
 
-    assert isinstance(rule, _rewrite_rule.RewriteRule)
     guarded = object.__new__(FirstOutputFirst)
     guarded.__dict__.update(rule.__dict__)
     return guarded
