@@ -462,15 +462,15 @@ def test_the_exporters_two_output_rewrite_is_tried_at_its_own_op_alone(monkeypat
         lambda self, nodes, **kw: tried.append(nodes[0].op_type) or multi_match(self, nodes, **kw),
     )
     rewritten = {}
-    for guarded in (False, True):
+    for patched in (False, True):
         model = ir.serde.deserialize_model(make.make_model(graph, opset_imports=[make.make_opsetid("", 18)]))
         tried.clear()
-        if guarded:
+        if patched:
             with multi_output_rules_at_their_op():
                 rewriter.rewrite(model)
         else:
             rewriter.rewrite(model)
-        rewritten[guarded] = ([n.op_type for n in model.graph], Counter(tried))
+        rewritten[patched] = ([n.op_type for n in model.graph], Counter(tried))
     plain, guarded = rewritten[False][1], rewritten[True][1]
     assert plain["Relu"] >= 20 and plain["Slice"] >= 2  # every node, each time listing the graph
     assert rewritten[True][0] == rewritten[False][0] and guarded == {"Slice": plain["Slice"]}

@@ -25,8 +25,10 @@ def _first_output_at_its_op(rule: Any) -> Any:
     op is not its pattern's first output node's."""
     from onnxscript.rewriter import _rewrite_rule
 
+    if not isinstance(rule, _rewrite_rule.RewriteRule):  # a rule of another kind keeps its own matching
+        return rule
     wanted = rule._target_pattern.output_nodes[0].op_identifier()  # (domain, op_type, overload)
-    if wanted is None or not isinstance(rule, _rewrite_rule.RewriteRule):  # any op can start it; a rule of another kind
+    if wanted is None:  # a pattern node of any op: every node can start it
         return rule
 
     class FirstOutputFirst(type(rule)):  # type: ignore[misc]
