@@ -474,3 +474,46 @@ def test_the_exporters_two_output_rewrite_is_tried_at_its_own_op_alone(monkeypat
     plain, guarded = rewritten[False][1], rewritten[True][1]
     assert plain["Relu"] >= 20 and plain["Slice"] >= 2  # every node, each time listing the graph
     assert rewritten[True][0] == rewritten[False][0] and guarded == {"Slice": plain["Slice"]}
+
+
+def test_a_later_session_maps_the_graph_onnx_runtime_packed_for_this_cpu_and_gives_its_tokens(
+    onnx_artifacts, monkeypatch, tmp_path, caplog
+):
+    """The first session writes ONNX Runtime's optimized graph with its prepacked weights into the
+    user cache (backends/onnx_packed.py); later ones load that copy, whose tokens are the
+    artifact's own; a copy of the wrong size is written again, and a cache that cannot be written
+    leaves the session as ONNX Runtime makes it from the artifact."""
+    from staticrt.artifacts.user_cache import entries
+    from staticrt.backends.onnx import OnnxBackend
+
+    artifact = onnx_artifacts["gemma2", "hybrid"]  # rotating and full layers, three prompt lengths
+    loaded = []
+    real = onnxruntime.InferenceSession
+    monkeypatch.setattr(
+        onnxruntime, "InferenceSession", lambda path, *a, **k: loaded.append(path) or real(path, *a, **k)
+    )
+
+    def tokens() -> list[list[int]]:
+        return staticrt.Generator(OnnxBackend(artifact, device="cpu")).generate(prompts(), NEW_TOKENS)
+
+    first = tokens()
+    (entry,) = entries("onnx")
+    copy = entry.path / "model.onnx.data"
+    assert loaded == [str(artifact / "onnx" / "model.onnx")]  # the session that wrote the copy runs
+    assert copy.stat().st_size > (artifact / "onnx" / "model.onnx.data").stat().st_size  # packed weights beside
+    written = (entry.path / "entry.json").stat().st_mtime_ns
+    assert tokens() == first
+    assert loaded[1:] == [str(entry.path / "model.onnx")] and (entry.path / "entry.json").stat().st_mtime_ns == written
+    with open(copy, "r+b") as data:  # a torn copy
+        data.truncate(copy.stat().st_size // 2)
+    with caplog.at_level("WARNING", logger="staticrt"):
+        assert tokens() == first
+    assert f"the packed ONNX graph in {entry.path} is unusable (model.onnx.data is not the size" in caplog.text
+    assert loaded[2:] == [str(artifact / "onnx" / "model.onnx")] and copy.stat().st_size > 0
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("STATICRT_CACHE", str(blocked))  # the cache's folder cannot be made
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="staticrt"):
+        assert tokens() == first
+    assert f"cannot keep a packed copy of {artifact / 'onnx' / 'model.onnx'} in {blocked / 'onnx'}" in caplog.text
