@@ -517,3 +517,28 @@ def test_a_later_session_maps_the_graph_onnx_runtime_packed_for_this_cpu_and_giv
     with caplog.at_level("WARNING", logger="staticrt"):
         assert tokens() == first
     assert f"cannot keep a packed copy of {artifact / 'onnx' / 'model.onnx'} in {blocked / 'onnx'}" in caplog.text
+
+
+def test_the_files_hashes_are_checked_beside_the_session_and_nothing_is_written_from_a_file_that_fails(
+    onnx_artifacts, tmp_path
+):
+    """load_artifact takes the files' hashes while ONNX Runtime makes the session: an altered file
+    is refused as before, no packed copy is written from it, and one written earlier from the
+    whole artifact does not let the altered one run."""
+    from staticrt.artifacts.user_cache import entries
+
+    folder = _copy(onnx_artifacts["qwen2", "static"], tmp_path)
+    data = folder / "onnx" / "model.onnx.data"
+    whole = data.read_bytes()
+    data.write_bytes(whole[:1234] + bytes([whole[1234] ^ 0xFF]) + whole[1235:])
+    refusal = rf"^{data} does not match the sha256 in manifest.json \(changed or corrupted since export\)"
+    with pytest.raises(ArtifactError, match=refusal):
+        load_artifact(folder, backend="onnx")
+    assert entries("onnx") == []
+    data.write_bytes(whole)
+    load_artifact(folder, backend="onnx")
+    on_a_gpu = has_cuda_device() and "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    assert len(entries("onnx")) == (0 if on_a_gpu else 1)  # the copy is the CPU's
+    data.write_bytes(whole[:1234] + bytes([whole[1234] ^ 0xFF]) + whole[1235:])
+    with pytest.raises(ArtifactError, match=refusal):
+        load_artifact(folder, backend="onnx")

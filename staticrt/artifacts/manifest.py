@@ -165,11 +165,11 @@ def read_manifest(folder: Path, verify: bool = True) -> dict[str, Any]:
     for name, kinds in fields.items():
         _check_field(manifest, name, kinds, path)
     if verify:
-        _verify_files(folder, manifest["files"])
+        verify_files(folder, manifest["files"])
     return manifest
 
 
-def _verify_files(folder: Path, files: dict[str, Any]) -> None:
+def verify_files(folder: Path, files: dict[str, Any]) -> None:
     """Every listed file present with its hash, and no file the manifest does not list."""
     for name, expected in files.items():
         file = folder / name

@@ -60,12 +60,17 @@ def fields_of(graph: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def packed_session(
-    graph: Path, manifest: dict[str, Any], make: Callable[[str, Any], Any], options: Callable[[], Any]
+    graph: Path,
+    manifest: dict[str, Any],
+    make: Callable[[str, Any], Any],
+    options: Callable[[], Any],
+    verified: Callable[[], Any] = lambda: None,
 ) -> Any:
     """A CPU session over the packed copy of `graph`, written first if there is none.
 
     `make(path, options)` makes the session (the caller's providers and error handling);
-    `options()` gives fresh SessionOptions.
+    `options()` gives fresh SessionOptions; `verified()` returns once the artifact's files have
+    passed their hashes (or raises): a copy is written only from files that did.
     """
     fields = fields_of(graph, manifest)
     text = json.dumps(fields, sort_keys=True)
@@ -80,6 +85,7 @@ def packed_session(
     refused: list[BaseException] = []
 
     def build(work: Path) -> None:
+        verified()
         asked = options()
         asked.optimized_model_filepath = str(work / GRAPH)
         asked.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA)

@@ -4,6 +4,7 @@ name the graph and the way out, and ONNX Runtime's CUDA graph where it will capt
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,21 @@ _NO_CAPTURE = "cannot use the graph capture feature"
 
 
 def session(
-    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, manifest: dict[str, Any]
+    path: Path,
+    section: dict[str, Any],
+    threads: int | None,
+    device: str,
+    cuda_graphs: bool,
+    manifest: dict[str, Any],
+    verified: Callable[[], Any] = lambda: None,
 ) -> tuple[Any, bool]:
     """An InferenceSession for the graph at `path` and whether its CUDA graph is on (asked with
     `cuda_graphs`; where ONNX Runtime refuses to capture one, the session runs without it, with
     an `OnnxCudaGraphWarning`), or an ArtifactError that names the graph, its opset and the
-    installed onnxruntime, and the way out."""
+    installed onnxruntime, and the way out. `verified()` returns once the artifact's files have
+    passed their hashes: nothing is written from them before (onnx_packed.py)."""
     try:
-        return _session(path, section, threads, device, cuda_graphs, manifest), cuda_graphs
+        return _session(path, section, threads, device, cuda_graphs, manifest, verified), cuda_graphs
     except _NoCapture as err:
         reason = str(err)
     warnings.warn(
@@ -42,11 +50,17 @@ def session(
         OnnxCudaGraphWarning,
         stacklevel=3,
     )
-    return _session(path, section, threads, device, False, manifest), False
+    return _session(path, section, threads, device, False, manifest, verified), False
 
 
 def _session(
-    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, manifest: dict[str, Any]
+    path: Path,
+    section: dict[str, Any],
+    threads: int | None,
+    device: str,
+    cuda_graphs: bool,
+    manifest: dict[str, Any],
+    verified: Callable[[], Any],
 ) -> Any:
     """An InferenceSession (on the CPU, over the packed copy of the graph: onnx_packed.py), or an
     ArtifactError: ONNX Runtime's CPU provider has no bfloat16 kernels for most operators (a
@@ -91,7 +105,7 @@ def _session(
             ) from None
 
     if device == "cpu":
-        return packed_session(path, manifest, make, options)
+        return packed_session(path, manifest, make, options, verified)
     return make(str(path), options())
 
 
