@@ -290,7 +290,7 @@ def test_running_and_serving_an_onnx_artifact_imports_no_torch(onnx_artifacts):
         "from fastapi.testclient import TestClient\n"
         "from staticrt.cli.main import build_parser\n"
         "from staticrt.cli.serve import build_server\n"
-        f"app, _ = build_server(build_parser().parse_args(['serve', {str(folder)!r}, '--backend', 'onnx']))\n"
+        f"app, _ = build_server(build_parser().parse_args(['serve', {str(folder)!r}, '--threads', '2']))\n"
         "with TestClient(app) as http:\n"
         f"    body = dict(model={folder.name!r}, prompt=[4, 5], max_tokens=2, temperature=0)\n"
         "    served = http.post('/v1/completions', json=body).json()\n"

@@ -28,10 +28,6 @@ def open_source(args: argparse.Namespace) -> Source:
     """The --model or the ARTIFACT of the command line, with what its folder holds beside the weights."""
     from ..text.tokenizer import load_tokenizer
 
-    if args.threads and args.backend != "onnx":
-        import torch
-
-        torch.set_num_threads(args.threads)
     if args.artifact is not None:
         from ..generation.generator import load_artifact
 
@@ -48,10 +44,14 @@ def open_source(args: argparse.Namespace) -> Source:
                 "export again with them: staticrt export --model ... --quantize ..."
             )
         gen = load_artifact(args.artifact, backend=args.backend, threads=args.threads)
+        if args.threads and gen.backend.name != "onnx":  # ONNX Runtime took them; an ONNX artifact loads no torch
+            _torch_threads(args.threads)
         folder = Path(args.artifact)
         return Source(str(folder), None, gen, load_tokenizer(folder), read_generation_defaults(folder))
     if not args.model:
         raise GenerationError("say what to run: --model PRESET_OR_FOLDER, or an artifact folder")
+    if args.threads:
+        _torch_threads(args.threads)
     from ..loading.checkpoint import load_model
     from ..loading.gguf_folders import local_checkpoint
     from ..models.presets import PRESETS
@@ -144,3 +144,9 @@ def speculation(args: argparse.Namespace, backend: Any) -> Any:
         window=args.window,
     )
     return Speculation("model", k, drafter=drafter)
+
+
+def _torch_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
