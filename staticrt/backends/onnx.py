@@ -64,7 +64,7 @@ class OnnxBackend(ArtifactBackend):
         graph = folder / section["graph"]
         self.session, self.cuda_graphs = session(graph, section, threads, device, graphs, manifest, verified)
         self.device = device
-        self._check_graph(folder / section["graph"], section)
+        self._check_graph(graph, section)
         # Whether the graph returns logits at the columns a step asks for (`indexed_logits`).
         self.indexed = LOGITS_INDEX in {value.name for value in self.session.get_overridable_initializers()} and any(
             value.name == INDEXED_LOGITS for value in self.session.get_outputs()

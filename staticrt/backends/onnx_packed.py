@@ -50,7 +50,7 @@ def _cpu_flags() -> str:
     return f"{platform.machine()} {' '.join(sorted(flags.split()))}"
 
 
-def fields_of(graph: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _fields(graph: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """What the packed copy of the artifact graph `graph` depends on."""
     import onnxruntime as ort
 
@@ -73,7 +73,7 @@ def packed_session(
     `options()` gives fresh SessionOptions; `verified()` returns once the artifact's files have
     passed their hashes (or raises): a copy is written only from files that did.
     """
-    fields = fields_of(graph, manifest)
+    fields = _fields(graph, manifest)
     text = json.dumps(fields, sort_keys=True)
     folder = cache_root() / "onnx" / hashlib.sha256(text.encode()).hexdigest()[:24]
     if (folder / ENTRY).is_file():
@@ -86,13 +86,13 @@ def packed_session(
     refused: list[BaseException] = []
 
     def build(work: Path) -> None:
-        verified()
         asked = options()
         asked.optimized_model_filepath = str(work / GRAPH)
         asked.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA)
         asked.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
         asked.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
         try:
+            verified()
             made.append(make(str(graph), asked))
         except BaseException as err:
             refused.append(err)
@@ -104,7 +104,7 @@ def packed_session(
     try:
         write_folder(folder, build)
     except (OSError, StaticrtError) as err:
-        if refused:  # the graph itself: the caller's error, as without the cache
+        if refused:  # a file that failed its hash, or the graph itself: the caller's error, as without the cache
             raise
         log.warning("cannot keep a packed copy of %s in %s (%s)", graph, folder, err)
         return made[0] if made else make(str(graph), options())
@@ -116,8 +116,11 @@ def _check(folder: Path, fields: dict[str, Any]) -> None:
     """The entry records these fields and its files have the sizes it recorded: a torn or altered
     file named before ONNX Runtime reads it (its own bounds checks find the rest)."""
     recorded = json.loads((folder / ENTRY).read_text())
-    if recorded.get("fields") != json.loads(json.dumps(fields)):
+    if not isinstance(recorded, dict) or recorded.get("fields") != json.loads(json.dumps(fields)):
         raise ValueError("its entry.json records other fields than this graph's")
-    for name, size in recorded.get("bytes", {}).items():
+    sizes = recorded.get("bytes")
+    if not isinstance(sizes, dict) or GRAPH not in sizes:
+        raise ValueError("its entry.json records no file sizes")
+    for name, size in sizes.items():
         if (folder / name).stat().st_size != size:
             raise ValueError(f"{name} is not the size entry.json records")
