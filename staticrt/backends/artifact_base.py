@@ -1,6 +1,7 @@
 """What every backend over an artifact folder shares: the limits the generation loop checks, read
-off the manifest once its seal, its fields and every file's hash have been checked, an artifact
-without the format refused, and (by each backend) held against the shapes it actually loaded."""
+off the manifest once its seal and its fields have been checked (its files' hashes before a torch
+program loads, beside an ONNX session: generator.py's `load_artifact`), an artifact without the
+format refused, and (by each backend) held against the shapes it actually loaded."""
 
 from __future__ import annotations
 

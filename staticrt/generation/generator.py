@@ -74,7 +74,8 @@ def create_backend(name: str, model: Any, **options: Any) -> StepBackend:
 
 
 def load_artifact(path: str | Path, backend: str | None = None, threads: int | None = None) -> Generator:
-    """A `Generator` over the artifact in `path`, checked first (manifest, hashes).
+    """A `Generator` over the artifact in `path`, checked before it is returned: its manifest first,
+    its files' hashes before a torch program loads or beside ONNX Runtime's session.
 
     `backend` picks what runs: "aoti" (AOTInductor packages), "pt2" (torch.export programs) or
     "onnx" (ONNX Runtime; imports neither torch nor the model code); by default the first of those
