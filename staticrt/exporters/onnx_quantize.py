@@ -31,8 +31,8 @@ Over the first 512 tokens alone every int8 layout is noisier: +1.3% at 64 symmet
 The fast kernels take integer zero points only; float ones (ORT's HQQ quantizer) ran bench-llama at
 68 ms/token. A model whose weights already sit on 4-bit grids with a float minimum a block (one
 converted from a GGUF Q4_1, as tests' SmolLM2) read +21.8% perplexity at int4 that way, every
-block moved by up to half a step; such a model keeps its grids exactly instead (onnx_q4_min.py:
-+1.27%, in 1.15x the GGUF's bytes).
+block moved by up to half a step; such a model keeps its codes and steps, and its minima through
+integer zero points and a residual a block (onnx_q4_min.py: +0.52%, in 1.05x the GGUF's bytes).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def quantize_graph(path: Path, spec: QuantSpec, head_weight: str) -> dict[str, A
         projections.pop(name)
     arrays = (numpy_helper.to_array(weights[w]).T for w in projections.values())  # one at a time
     if spec.bits == 4 and on_grids(arrays, spec.group_size):  # a Q4_1 GGUF's grids, kept (onnx_q4_min.py)
-        layouts["projections"] = {"bits": 4, "block_size": spec.group_size, "minimum": "float32 a block"}
+        minimum = "integer zero point and a 4-bit residual a block"
+        layouts["projections"] = {"bits": 4, "block_size": spec.group_size, "minimum": minimum}
         steps = [(min_blocks(model, set(projections), spec.group_size, ACCURACY_LEVEL), layouts["head"])]
     # The projections first (the head left out), then the one MatMul over a weight left: the head.
     for skip, layout in steps:
