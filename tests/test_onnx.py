@@ -5,6 +5,7 @@ written in place; no torch at deploy; bad inputs refused with the limit or the f
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -25,13 +26,16 @@ from staticrt.backends.onnx_session import has_cuda_device
 from staticrt.caches import CacheSpec
 from staticrt.errors import ArtifactError, GenerationError
 from staticrt.exporters import export_artifact
+from staticrt.exporters.onnx_gqa import OP, group_query_attention
 from staticrt.generation.generator import load_artifact
+from staticrt.models.quant_spec import parse_quantize
 
 # (checkpoint, cache): every family, every exportable cache kind. mistral-sw16 and gemma2 attend
 # through a window of 16; their rotating layers get 32 slots (the window plus genai's slack).
 CASES = [("llama", "static"), ("qwen2", "static"), ("mistral-sw16", "sliding"), ("gemma2", "hybrid")]
 LENGTHS = (40, 5, 23)  # mixed, two longer than the window; 64 new tokens go far past it
 NEW_TOKENS = 64
+QUANT8 = parse_quantize("int8")
 
 
 def prompts(vocab: int = 256) -> list[list[int]]:
@@ -187,6 +191,49 @@ def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_ar
     assert (folder / "onnx" / "model.onnx.data").stat().st_size > 100_000  # weights live in external data
 
 
+def test_static_layers_as_group_query_attention_give_the_graphs_tokens_cache_and_continuations(
+    onnx_artifacts, hf_checkpoints, tmp_path
+):
+    """exporters/onnx_gqa.py (applied to quantized one-row exports) checked on float graphs, where
+    nothing rounds the two apart: each static layer's ~15 attention nodes become one
+    GroupQueryAttention, and one row gives the graph's tokens and cache contents, also where a
+    step feeds several tokens over a held context (a continued conversation, drafts verified).
+    Graphs of several rows, rotating layers (sliding, hybrid's local ones) and softcapped ones
+    keep their attention."""
+    for family in ("llama", "qwen2"):
+        model = staticrt.load_model(hf_checkpoints[family][0])
+        folder = export_artifact(model, CacheSpec("static", 1, 128), [64], tmp_path / family, ["onnx"])
+        copy = shutil.copytree(folder, tmp_path / f"{family}-gqa")
+        graph = copy / "onnx" / "model.onnx"
+        assert group_query_attention(graph, 1) == model.config.num_layers
+        ops = {node.op_type for node in onnx.load(str(graph), load_external_data=False).graph.node}
+        assert OP in ops and not ops & {"Attention", "TensorScatter", "RotaryEmbedding"}
+        manifest = json.loads((copy / "manifest.json").read_text())
+        manifest["files"]["onnx/model.onnx"] = sha256(graph)
+        (copy / "manifest.json").write_text(json.dumps(seal(manifest)))
+        before, after = (load_artifact(f, backend="onnx") for f in (folder, copy))
+        prompt = prompts()[0]
+        tokens = before.generate([prompt], max_new_tokens=NEW_TOKENS)
+        assert after.generate([prompt], max_new_tokens=NEW_TOKENS) == tokens, family
+        for name, value in before.backend.caches.items():  # [1, H_kv, 128, D]
+            np.testing.assert_allclose(after.backend.caches[name].numpy(), value.numpy(), rtol=0, atol=1e-4)
+        turn = [*prompt, *tokens[0], 7, 8, 9, 10]  # the next turn: 104 tokens kept, 4 prefilled over them
+        continued = before.generate([turn], max_new_tokens=16, reuse_prefix=True)
+        assert after.generate([turn], max_new_tokens=16, reuse_prefix=True) == continued, family
+        assert after.last_stats.kept == before.last_stats.kept and after.last_stats.kept[0] > 0
+        drafted = before.generate([prompt], max_new_tokens=32, speculative="ngram:3")
+        assert after.generate([prompt], max_new_tokens=32, speculative="ngram:3") == drafted, family
+    assert group_query_attention(onnx_artifacts["llama", "static"] / "onnx" / "model.onnx", 3) == 0  # three rows
+    for family, layers in (("llama", 2), ("mistral-sw16", 0)):  # a window in every layer's mask, static or not
+        model = staticrt.load_model(hf_checkpoints[family][0])
+        spec, out = CacheSpec("static", 1, 64), tmp_path / f"{family}-int8"
+        int8 = export_artifact(model, spec, [16], out, ["onnx"], quantize=QUANT8)
+        assert json.loads((int8 / "manifest.json").read_text())["onnx"]["fused"][OP] == layers, family
+    for case in (("mistral-sw16", "sliding"), ("gemma2", "hybrid")):  # circular writes; softcapped scores
+        copy = shutil.copytree(onnx_artifacts[case], tmp_path / "-".join(case))
+        assert group_query_attention(copy / "onnx" / "model.onnx", 1) == 0, case
+
+
 def test_each_norm_and_rotary_embedding_is_one_standard_op(onnx_artifacts):
     """torch writes an RMSNorm out as seven nodes and a rotary embedding as seven; the export makes
     each one opset-23 node (exporters/onnx_fuse.py), in every family: Gemma2's `1 + w` norms and
@@ -195,7 +242,8 @@ def test_each_norm_and_rotary_embedding_is_one_standard_op(onnx_artifacts):
         manifest = json.loads((folder / "manifest.json").read_text())
         config = manifest["model"]["config"]
         layers, per_layer = config["num_layers"], 4 if config["sandwich_norms"] else 2
-        assert manifest["onnx"]["fused"] == {"RMSNormalization": layers * per_layer + 1, "RotaryEmbedding": 2 * layers}
+        fused = {"RMSNormalization": layers * per_layer + 1, "RotaryEmbedding": 2 * layers, "GroupQueryAttention": 0}
+        assert manifest["onnx"]["fused"] == fused
         graph = onnx.load(str(folder / manifest["onnx"]["graph"]), load_external_data=False).graph
         ops = [node.op_type for node in graph.node]
         assert not {"Pow", "Reciprocal", "Neg"} & set(ops), (family, cache)

@@ -97,6 +97,7 @@ def test_the_onnx_graph_holds_each_weight_in_matmulnbits_and_genai_runs_it(hf_ch
     assert "int4-g32 weights) to" in said
     assert "done quantize the weights to int4-g32 (ONNX Runtime's MatMulNBits)" in said
     manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["onnx"]["fused"]["GroupQueryAttention"] == 2  # each layer's attention (onnx_gqa.py)
     assert manifest["onnx"]["quantize"] == {
         "name": "int4-g32",
         "op": "com.microsoft.MatMulNBits",

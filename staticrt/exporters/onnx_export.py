@@ -256,11 +256,14 @@ def write_onnx(
     quantize: QuantSpec | None = None,
 ) -> dict[str, Any]:
     """Write the graph (its norms and rotary embeddings fused, `onnx_fuse`; checked with
-    `onnx.checker`, full check, before any contrib op is in it), with `quantize`'s weights if
-    given, and genai_config.json into `folder`; return the manifest's `onnx` field."""
+    `onnx.checker`, full check, before any contrib op is in it), with `quantize`'s weights and its
+    static attention layers as GroupQueryAttention (`onnx_gqa`, one row) if given, and genai_config.json
+    into `folder`; return the manifest's `onnx` field."""
     import onnx
 
     from .onnx_fuse import fuse_graph
+    from .onnx_gqa import OP as GQA
+    from .onnx_gqa import group_query_attention
 
     path = folder / GRAPH
     with experts_quantized(model, quantize):  # a mixture of experts' stacks as int8/int4 codes in the graph
@@ -276,6 +279,12 @@ def write_onnx(
             f"quantize the weights to {quantize.layout} (ONNX Runtime's MatMulNBits)",
             lambda: quantize_graph(path, quantize, head),
         )
+    # a quantized one-row graph's static layers as one op each (onnx_gqa.py says why others keep theirs);
+    # the op sees every column before a query's, so a model with windowed layers keeps its masks
+    rows, windowed = cache.spec.max_batch_size, "sliding_attention" in model.config.layer_types
+    fused[GQA] = 0
+    if quantized and not windowed:
+        fused[GQA] = timed(f"static attention layers as {GQA}", lambda: group_query_attention(path, rows))
     genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales or a recurrent state
     if cache.parts == KVCache.parts and not cache.recurrent:
         (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")

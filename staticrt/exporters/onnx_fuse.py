@@ -34,7 +34,7 @@ from typing import Any
 FUSED_OPS = ("RMSNormalization", "RotaryEmbedding")
 
 
-class _Graph:
+class GraphIndex:
     """Who makes and who reads each value, and the values known without running the graph."""
 
     def __init__(self, nodes: list[Any], initializers: Any) -> None:
@@ -66,7 +66,7 @@ class _Graph:
         return self.constants.get(name)
 
 
-def _attribute(node: Any, name: str, default: Any = None) -> Any:
+def attribute(node: Any, name: str, default: Any = None) -> Any:
     """`node`'s attribute `name`, or `default`."""
     from onnx import helper
 
@@ -84,7 +84,7 @@ def _other(node: Any, name: str) -> str | None:
 Match = tuple[list[Any], Any, str | None]  # a pattern's nodes, the node replacing them, its angles f
 
 
-def _rms_norm(g: _Graph, power: Any) -> Match | None:
+def _rms_norm(g: GraphIndex, power: Any) -> Match | None:
     """The RMSNorm chain that starts at `power`."""
     from onnx import helper
 
@@ -93,7 +93,7 @@ def _rms_norm(g: _Graph, power: Any) -> Match | None:
         return None
     mean = g.sole_reader(power, "ReduceMean")
     axes = g.constant(mean.input[1]) if mean is not None and len(mean.input) == 2 else None
-    if axes != [-1] or _attribute(mean, "keepdims", 1) != 1:
+    if axes != [-1] or attribute(mean, "keepdims", 1) != 1:
         return None
     add = g.sole_reader(mean, "Add")
     eps = g.constant(_other(add, mean.output[0]) or "") if add is not None else None
@@ -110,7 +110,7 @@ def _rms_norm(g: _Graph, power: Any) -> Match | None:
     return [power, mean, add, sqrt, inverse, scaled, weighted], fused, None
 
 
-def _half_table(g: _Graph, table: str, op: str) -> str | None:
+def _half_table(g: GraphIndex, table: str, op: str) -> str | None:
     """`f` where `table = Unsqueeze(op(Concat(f, f)), [1])`, else None."""
     unsqueeze = g.made_by(table, "Unsqueeze")
     trig = g.made_by(unsqueeze.input[0], op) if unsqueeze is not None else None
@@ -122,14 +122,14 @@ def _half_table(g: _Graph, table: str, op: str) -> str | None:
     return doubled.input[0]
 
 
-def _half_width(g: _Graph, f: str) -> int | None:
+def _half_width(g: GraphIndex, f: str) -> int | None:
     """The width h of `f = positions * inv_freq`: the inverse frequencies' length."""
     product = g.made_by(f, "Mul")
     widths = [g.dims[name][-1] for name in (product.input if product is not None else ()) if g.dims.get(name)]
     return widths[0] if len(widths) == 1 else None
 
 
-def _slice_of(g: _Graph, name: str, start: int, end: int) -> str | None:
+def _slice_of(g: GraphIndex, name: str, start: int, end: int) -> str | None:
     """`t` where `name = t[..., start:end]` on the last axis (an end past the axis reads to it)."""
     cut = g.made_by(name, "Slice")
     if cut is None or len(cut.input) < 4:
@@ -142,14 +142,14 @@ def _slice_of(g: _Graph, name: str, start: int, end: int) -> str | None:
     return cut.input[0] if reaches else None
 
 
-def _rotary(g: _Graph, negate: Any) -> Match | None:
+def _rotary(g: GraphIndex, negate: Any) -> Match | None:
     """The rotate_half pattern around `negate`."""
     from onnx import helper
 
     joined = g.sole_reader(negate, "Concat")
     if joined is None or list(joined.input)[:1] != [negate.output[0]] or len(joined.input) != 2:
         return None
-    if _attribute(joined, "axis") not in (-1, 3):
+    if attribute(joined, "axis") not in (-1, 3):
         return None
     by_sin = g.sole_reader(joined, "Mul")
     total = g.sole_reader(by_sin, "Add") if by_sin is not None else None
@@ -176,7 +176,7 @@ def fuse_graph(path: Path) -> dict[str, int]:
 
     model = onnx.load(str(path), load_external_data=False)
     nodes = list(model.graph.node)  # one list: nodes are told apart by id() below
-    g = _Graph(nodes, model.graph.initializer)
+    g = GraphIndex(nodes, model.graph.initializer)
     replaced: dict[int, Any] = {}  # id(last node of a pattern) -> its fused node
     dropped: set[int] = set()
     after: dict[int, str] = {}  # id(the node making f) -> f: its half tables go in right after it
