@@ -217,14 +217,14 @@ def test_static_layers_as_group_query_attention_give_the_graphs_tokens_cache_and
         assert after.generate([prompt], max_new_tokens=NEW_TOKENS) == tokens, family
         for name, value in before.backend.caches.items():  # [1, H_kv, 128, D]
             np.testing.assert_allclose(after.backend.caches[name].numpy(), value.numpy(), rtol=0, atol=1e-4)
-        turn = [*prompt, *tokens[0], 7, 8, 9, 10]  # the next turn: 104 tokens kept, 4 prefilled over them
+        turn = [*prompt, *tokens[0], 7, 8, 9, 10]  # the next turn: the conversation kept, 4 tokens prefilled over it
         continued = before.generate([turn], max_new_tokens=16, reuse_prefix=True)
         assert after.generate([turn], max_new_tokens=16, reuse_prefix=True) == continued, family
         assert after.last_stats.kept == before.last_stats.kept and after.last_stats.kept[0] > 0
         drafted = before.generate([prompt], max_new_tokens=32, speculative="ngram:3")
         assert after.generate([prompt], max_new_tokens=32, speculative="ngram:3") == drafted, family
     assert group_query_attention(onnx_artifacts["llama", "static"] / "onnx" / "model.onnx", 3) == 0  # three rows
-    for family, layers in (("llama", 2), ("mistral-sw16", 0)):  # a window in every layer's mask, static or not
+    for family, layers in (("llama", 2), ("mistral-sw16", 0)):  # mistral-sw16: a window in every mask, cache static
         model = staticrt.load_model(hf_checkpoints[family][0])
         spec, out = CacheSpec("static", 1, 64), tmp_path / f"{family}-int8"
         int8 = export_artifact(model, spec, [16], out, ["onnx"], quantize=QUANT8)

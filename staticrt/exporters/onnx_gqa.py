@@ -62,6 +62,9 @@ def group_query_attention(path: Path, batch_size: int) -> int:
     layers = [m for m in (_layer(g, node, inputs) for node in graph.node if node.op_type == "Attention") if m]
     if not layers:
         return 0
+    # the shared nodes serve layers of one write index, one set of rotary angles, one cache length and width
+    same = ("marked_columns", "inverse_frequencies", "slots", "width")
+    layers = [layer for layer in layers if all(layer[key] == layers[0][key] for key in same)]
     shared = _shared_nodes(layers[0])
     replaced: dict[int, list[Any]] = {}
     dropped: set[int] = set()
@@ -178,7 +181,7 @@ def _read_only_by(g: GraphIndex, node: Any, pattern: list[Any]) -> bool:
 
 def _shared_nodes(layer: dict[str, Any]) -> dict[str, Any]:
     """What every rewritten layer reads, made once a step: the query's 3D shape, `seqlens_k`,
-    the total length, the mask as a bias and the rotary tables."""
+    the total length and the rotary tables `[N, D/2]` (constants, which ONNX Runtime folds)."""
     from onnx import TensorProto, helper
 
     slots, width = layer["slots"], layer["width"]
