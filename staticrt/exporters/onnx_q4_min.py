@@ -7,8 +7,8 @@ converted from its Q4_1 GGUF (every block of its weights on such a grid), read +
 over tests/data's text at int4 that way (docs/measurements.md). Float zero points exist in the op,
 but its fast kernels take integer ones only (2.1 ms against 25-49 µs a node). So each block keeps
 its codes and step, takes the integer zero point nearest its minimum, z = round(-m/d), and what
-that leaves, the residual r = m + d·z (at most half a step), is added back through the block's
-input sum, in the same MatMulNBits:
+that leaves, the residual r = m + d·z (at most half a step where the block spans 0), is added
+back through the block's input sum, in the same MatMulNBits:
 
     x @ W^T = Σ_blocks d·Σ_i x_i (q_i - z) + r·Σ_i x_i
             = MatMulNBits([x, 0.., S(x), 0..]; codes and zero points [W | R], steps [d | s_r])
