@@ -145,7 +145,8 @@ def _export_cache(model: Decoder, spec: CacheSpec, buckets: Sequence[int], forma
     param = next(model.parameters())
     cache = build_cache(model.config, spec, param.dtype, param.device)
     if "onnx" in formats:
-        from .onnx_export import GENAI_SLACK, check_onnx_cache
+        from .onnx_export import check_onnx_cache
+        from .onnx_genai import GENAI_SLACK
 
         if spec.window is None and cache.window is not None:  # unset: the window plus genai's default slack
             spec = dataclasses.replace(spec, window=cache.window + GENAI_SLACK)

@@ -65,14 +65,13 @@ from ..errors import ArtifactError
 from ..models.decoder import Decoder
 from ..models.expert_quant import experts_quantized
 from ..models.quant_spec import QuantSpec
+from .onnx_genai import GENAI_CONFIG, GENAI_SLACK, genai_config
 from .onnx_rewrites import multi_output_rules_at_their_op
 from .onnx_step import OnnxStep
 
 OPSET = 24
 MAX_IR_VERSION = 13  # the newest IR version onnxruntime 1.31 loads
 GRAPH = "onnx/model.onnx"
-GENAI_CONFIG = "genai_config.json"
-GENAI_SLACK = 16  # onnxruntime-genai's default cache_slack (extra slots of a rotating layer)
 
 
 def check_onnx_cache(cache: KVCache) -> None:
@@ -192,62 +191,6 @@ def graph_io(path: Path) -> dict[str, Any]:
     }
 
 
-def genai_config(cache: KVCache) -> dict[str, Any]:
-    """onnxruntime-genai's description of the graph: a `decoder` whose past and present share one
-    buffer; `context_length` is the positions a row can reach (the model's for an all-rotating cache)."""
-    c = cache.config
-    context = cache.max_sequence_len or c.max_position_embeddings
-    decoder: dict[str, Any] = {
-        "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-        "filename": GRAPH,
-        "head_size": c.head_dim,
-        "hidden_size": c.hidden_size,
-        "num_attention_heads": c.num_heads,
-        "num_hidden_layers": c.num_layers,
-        "num_key_value_heads": c.num_kv_heads,
-        "inputs": {
-            "input_ids": "input_ids",
-            "attention_mask": "attention_mask",
-            "position_ids": "position_ids",
-            "past_key_names": "past_key_values.%d.key",
-            "past_value_names": "past_key_values.%d.value",
-        },
-        "outputs": {
-            "logits": "logits",
-            "present_key_names": "present.%d.key",
-            "present_value_names": "present.%d.value",
-        },
-    }
-    if cache.window is not None:
-        # Our rotating layers, described as genai's: a window plus slack slots, never slid or copied.
-        decoder["sliding_window"] = {
-            "window_size": c.sliding_window,
-            "cache_slack": cache.window - c.sliding_window,
-            "slide_key_value_cache": False,
-            "slide_inputs": False,
-            "layers": [i for i, r in enumerate(cache.rotating) if r],
-        }
-    eos = list(c.eos_token_ids)
-    return {
-        "model": {
-            "type": "decoder",
-            "context_length": context,
-            "vocab_size": c.vocab_size,
-            "decoder": decoder,
-            "bos_token_id": c.bos_token_id if c.bos_token_id is not None else 0,
-            "eos_token_id": eos[0] if len(eos) == 1 else eos or 0,
-            "pad_token_id": c.pad_token_id if c.pad_token_id is not None else (eos[0] if eos else 0),
-        },
-        "search": {
-            "do_sample": False,
-            "num_beams": 1,
-            "max_length": context,
-            "min_length": 0,
-            "past_present_share_buffer": True,
-        },
-    }
-
-
 def write_onnx(
     folder: Path,
     model: Decoder,
@@ -287,6 +230,6 @@ def write_onnx(
         fused[GQA] = timed(f"static attention layers as {GQA}", lambda: group_query_attention(path, rows))
     genai = None  # genai's decoder takes float K/V only; it cannot feed an int8 cache's scales or a recurrent state
     if cache.parts == KVCache.parts and not cache.recurrent:
-        (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache), indent=2) + "\n")
+        (folder / GENAI_CONFIG).write_text(json.dumps(genai_config(cache, GRAPH), indent=2) + "\n")
         genai = GENAI_CONFIG
     return {"onnx": {"graph": GRAPH, "genai_config": genai, "quantize": quantized, "fused": fused, **graph_io(path)}}
