@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -203,14 +204,12 @@ def test_static_layers_as_group_query_attention_give_the_graphs_tokens_cache_and
     for family in ("llama", "qwen2"):
         model = staticrt.load_model(hf_checkpoints[family][0])
         folder = export_artifact(model, CacheSpec("static", 1, 128), [64], tmp_path / family, ["onnx"])
-        copy = shutil.copytree(folder, tmp_path / f"{family}-gqa")
+        copy = _copy(folder, tmp_path, f"{family}-gqa")
         graph = copy / "onnx" / "model.onnx"
         assert group_query_attention(graph, 1) == model.config.num_layers
         ops = {node.op_type for node in onnx.load(str(graph), load_external_data=False).graph.node}
         assert OP in ops and not ops & {"Attention", "TensorScatter", "RotaryEmbedding"}
-        manifest = json.loads((copy / "manifest.json").read_text())
-        manifest["files"]["onnx/model.onnx"] = sha256(graph)
-        (copy / "manifest.json").write_text(json.dumps(seal(manifest)))
+        _graph_rewritten(copy)
         before, after = (load_artifact(f, backend="onnx") for f in (folder, copy))
         prompt = prompts()[0]
         tokens = before.generate([prompt], max_new_tokens=NEW_TOKENS)
@@ -230,7 +229,7 @@ def test_static_layers_as_group_query_attention_give_the_graphs_tokens_cache_and
         int8 = export_artifact(model, spec, [16], out, ["onnx"], quantize=QUANT8)
         assert json.loads((int8 / "manifest.json").read_text())["onnx"]["fused"][OP] == layers, family
     for case in (("mistral-sw16", "sliding"), ("gemma2", "hybrid")):  # circular writes; softcapped scores
-        copy = shutil.copytree(onnx_artifacts[case], tmp_path / "-".join(case))
+        copy = _copy(onnx_artifacts[case], tmp_path)
         assert group_query_attention(copy / "onnx" / "model.onnx", 1) == 0, case
 
 
@@ -373,10 +372,17 @@ def test_requests_beyond_the_artifact_are_refused_before_running(onnx_artifacts)
     )
 
 
-def _copy(folder: Path, tmp_path: Path) -> Path:
-    import shutil
+def _copy(folder: Path, tmp_path: Path, name: str | None = None) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / (name or folder.name)))
 
-    return Path(shutil.copytree(folder, tmp_path / folder.name))
+
+def _graph_rewritten(folder: Path, edit: Callable[[dict], None] = lambda manifest: None) -> None:
+    """Seal `folder`'s manifest (edited by `edit`) over the graph a test rewrote on purpose, its hash
+    taken again, as the exporter would have written it."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    edit(manifest)
+    manifest["files"]["onnx/model.onnx"] = sha256(folder / "onnx" / "model.onnx")
+    (folder / "manifest.json").write_text(json.dumps(seal(manifest)))
 
 
 def test_a_missing_or_altered_graph_file_is_named(onnx_artifacts, tmp_path):
@@ -407,10 +413,7 @@ def test_an_opset_the_installed_onnxruntime_cannot_run_is_refused_with_the_opset
     graph = onnx.load(str(path), load_external_data=False)
     graph.opset_import[0].version = 99  # as if written by an exporter from the future
     onnx.save(graph, str(path))
-    manifest = json.loads((folder / "manifest.json").read_text())
-    manifest["onnx"]["opset"] = 99
-    manifest["files"]["onnx/model.onnx"] = sha256(path)
-    (folder / "manifest.json").write_text(json.dumps(seal(manifest)))
+    _graph_rewritten(folder, lambda manifest: manifest["onnx"].update(opset=99))
     with pytest.raises(
         ArtifactError,
         match=rf"^{path}: onnxruntime {ort.__version__} cannot load this graph \(opset 99, "
