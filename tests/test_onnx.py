@@ -141,7 +141,7 @@ def test_where_onnx_runtime_will_not_capture_a_cuda_graph_the_session_runs_witho
     manifest = json.loads((folder / "manifest.json").read_text())
     path = folder / manifest["onnx"]["graph"]
     with pytest.warns(OnnxCudaGraphWarning) as caught:
-        _, graphs = session(path, manifest["onnx"], None, "cuda", True, manifest)
+        _, graphs = session(path, None, "cuda", True, manifest)
     assert graphs is False
     # float32 in float32: ONNX Runtime's CUDA provider would take TF32 (a 10-bit mantissa) by default
     assert asked == [("CUDAExecutionProvider", {"enable_cuda_graph": flag, "use_tf32": "0"}) for flag in ("1", "0")]
@@ -152,7 +152,7 @@ def test_where_onnx_runtime_will_not_capture_a_cuda_graph_the_session_runs_witho
     ]
     monkeypatch.setattr(ort, "InferenceSession", lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("bad graph")))
     with pytest.raises(ArtifactError, match=r"cannot load this graph .*: bad graph; install an onnxruntime-gpu"):
-        session(path, manifest["onnx"], None, "cuda", True, manifest)
+        session(path, None, "cuda", True, manifest)
 
 
 def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_artifacts):
@@ -527,16 +527,70 @@ def test_the_exporters_two_output_rewrite_is_tried_at_its_own_op_alone(monkeypat
     assert rewritten[True][0] == rewritten[False][0] and guarded == {"Slice": plain["Slice"]}
 
 
-def test_the_files_hashes_are_checked_beside_the_session_and_a_file_that_fails_is_the_error_heard(
-    onnx_artifacts, tmp_path, monkeypatch
+def test_a_later_session_maps_the_graph_onnx_runtime_packed_for_this_cpu_and_gives_its_tokens(
+    onnx_artifacts, monkeypatch, tmp_path, caplog
 ):
-    """load_artifact takes an ONNX artifact's hashes while ONNX Runtime makes the session: an
-    altered file is refused as before, also when it is the session that fails first."""
+    """The first session writes ONNX Runtime's optimized graph with its prepacked weights into the
+    user cache (backends/onnx_packed.py); later ones load that copy, whose tokens are the
+    artifact's own; a copy of the wrong size is written again, and a cache that cannot be written
+    leaves the session as ONNX Runtime makes it from the artifact."""
+    from staticrt.artifacts.user_cache import entries
+    from staticrt.backends.onnx import OnnxBackend
+
+    artifact = onnx_artifacts["gemma2", "hybrid"]  # rotating and full layers, three prompt lengths
+    loaded = []
+    real = onnxruntime.InferenceSession
+    monkeypatch.setattr(
+        onnxruntime, "InferenceSession", lambda path, *a, **k: loaded.append(path) or real(path, *a, **k)
+    )
+
+    def tokens() -> list[list[int]]:
+        return staticrt.Generator(OnnxBackend(artifact, device="cpu")).generate(prompts(), NEW_TOKENS)
+
+    first = tokens()
+    (entry,) = entries("onnx")
+    copy = entry.path / "model.onnx.data"
+    assert loaded == [str(artifact / "onnx" / "model.onnx"), str(entry.path / "model.onnx")]  # wrote, then loaded
+    assert copy.stat().st_size > (artifact / "onnx" / "model.onnx.data").stat().st_size  # packed weights beside
+    written = (entry.path / "entry.json").stat().st_mtime_ns
+    assert tokens() == first
+    assert loaded[2:] == [str(entry.path / "model.onnx")] and (entry.path / "entry.json").stat().st_mtime_ns == written
+    with open(copy, "r+b") as data:  # a torn copy
+        data.truncate(copy.stat().st_size // 2)
+    with caplog.at_level("WARNING", logger="staticrt"):
+        assert tokens() == first
+    assert f"the packed ONNX graph in {entry.path} is unusable (model.onnx.data is not the size" in caplog.text
+    assert loaded[3:] == [str(artifact / "onnx" / "model.onnx"), str(entry.path / "model.onnx")]
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("STATICRT_CACHE", str(blocked))  # the cache's folder cannot be made
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="staticrt"):
+        assert tokens() == first
+    assert f"cannot keep a packed copy of {artifact / 'onnx' / 'model.onnx'} in {blocked / 'onnx'}" in caplog.text
+
+
+def test_the_files_hashes_are_checked_beside_the_session_and_nothing_is_written_from_a_file_that_fails(
+    onnx_artifacts, tmp_path, caplog, monkeypatch
+):
+    """load_artifact takes the files' hashes while ONNX Runtime makes the session: an altered file
+    is refused as before, also when the session fails first; no packed copy is written from it,
+    and one written earlier from the whole artifact does not let the altered one run."""
+    from staticrt.artifacts.user_cache import entries
+
     folder = _copy(onnx_artifacts["qwen2", "static"], tmp_path)
     data = folder / "onnx" / "model.onnx.data"
     whole = data.read_bytes()
-    data.write_bytes(whole[:1234] + bytes([whole[1234] ^ 0xFF]) + whole[1235:])  # ONNX Runtime loads it
+    data.write_bytes(whole[:1234] + bytes([whole[1234] ^ 0xFF]) + whole[1235:])
     refusal = rf"^{data} does not match the sha256 in manifest.json \(changed or corrupted since export\)"
+    with pytest.raises(ArtifactError, match=refusal), caplog.at_level("WARNING", logger="staticrt"):
+        load_artifact(folder, backend="onnx")
+    assert entries("onnx") == [] and caplog.text == ""  # refused as the artifact's error, not the cache's
+    data.write_bytes(whole)
+    load_artifact(folder, backend="onnx")
+    on_a_gpu = has_cuda_device() and "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    assert len(entries("onnx")) == (0 if on_a_gpu else 1)  # the copy is the CPU's
+    data.write_bytes(whole[:1234] + bytes([whole[1234] ^ 0xFF]) + whole[1235:])
     with pytest.raises(ArtifactError, match=refusal):
         load_artifact(folder, backend="onnx")
     monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad")))

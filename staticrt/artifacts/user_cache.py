@@ -2,10 +2,11 @@
 
 The cache is `$STATICRT_CACHE`, else `$XDG_CACHE_HOME/staticrt`, else `~/.cache/staticrt`. Each
 kind of entry has its own folder: `gguf/` (checkpoints converted from a .gguf file,
-loading/gguf_folders.py), `graphs/` (compiled step graphs, backends/graph_store.py) and `llama.cpp/`
-(bench-serve's contender, bench/llama_server.py). Every
-entry is a folder written atomically (write.py), so one that exists is whole; an entry is known
-by the file staticrt wrote into it (`MARKERS`), and nothing else under the cache is ever removed.
+loading/gguf_folders.py), `graphs/` (compiled step graphs, backends/graph_store.py), `onnx/`
+(artifacts' ONNX graphs with their weights packed for this CPU, backends/onnx_packed.py) and
+`llama.cpp/` (bench-serve's contender, bench/llama_server.py). Every entry is a folder written
+atomically (write.py), so one that exists is whole; an entry is known by the file staticrt wrote
+into it (`MARKERS`), and nothing else under the cache is ever removed.
 Imports no torch.
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from .write import remove_stale
 
 # The file that makes a folder of each kind an entry staticrt wrote.
-MARKERS = {"gguf": "config.json", "graphs": "entry.json", "llama.cpp": "build.json"}
+MARKERS = {"gguf": "config.json", "graphs": "entry.json", "onnx": "entry.json", "llama.cpp": "build.json"}
 
 
 def cache_root() -> Path:

@@ -15,6 +15,7 @@ verify step (speculative decoding, an artifact of one row) asks the graph for ev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ class OnnxBackend(ArtifactBackend):
         manifest: dict[str, Any] | None = None,
         device: str | None = None,
         threads: int | None = None,
+        verified: Callable[[], Any] = lambda: None,
     ) -> None:
         import onnxruntime as ort
 
@@ -59,9 +61,10 @@ class OnnxBackend(ArtifactBackend):
             )
         # A CUDA graph needs one decode shape; an all-rotating cache's mask grows, so it runs without.
         graphs = device == "cuda" and manifest["cache"]["max_sequence_len"] is not None
-        self.session, self.cuda_graphs = session(folder / section["graph"], section, threads, device, graphs, manifest)
+        graph = folder / section["graph"]
+        self.session, self.cuda_graphs = session(graph, threads, device, graphs, manifest, verified)
         self.device = device
-        self._check_graph(folder / section["graph"], section)
+        self._check_graph(graph, section)
         # Whether the graph returns logits at the columns a step asks for (`indexed_logits`).
         self.indexed = LOGITS_INDEX in {value.name for value in self.session.get_overridable_initializers()} and any(
             value.name == INDEXED_LOGITS for value in self.session.get_outputs()

@@ -4,10 +4,12 @@ name the graph and the way out, and ONNX Runtime's CUDA graph where it will capt
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import ArtifactError, first_line
+from .onnx_packed import packed_session
 
 
 class OnnxCudaGraphWarning(UserWarning):
@@ -24,14 +26,20 @@ _NO_CAPTURE = "cannot use the graph capture feature"
 
 
 def session(
-    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, manifest: dict[str, Any]
+    path: Path,
+    threads: int | None,
+    device: str,
+    cuda_graphs: bool,
+    manifest: dict[str, Any],
+    verified: Callable[[], Any] = lambda: None,
 ) -> tuple[Any, bool]:
     """An InferenceSession for the graph at `path` and whether its CUDA graph is on (asked with
     `cuda_graphs`; where ONNX Runtime refuses to capture one, the session runs without it, with
     an `OnnxCudaGraphWarning`), or an ArtifactError that names the graph, its opset and the
-    installed onnxruntime, and the way out."""
+    installed onnxruntime, and the way out. `verified()` returns once the artifact's files have
+    passed their hashes: nothing is written from them before (onnx_packed.py)."""
     try:
-        return _session(path, section, threads, device, cuda_graphs, manifest["dtype"]), cuda_graphs
+        return _session(path, threads, device, cuda_graphs, manifest, verified), cuda_graphs
     except _NoCapture as err:
         reason = str(err)
     warnings.warn(
@@ -41,47 +49,57 @@ def session(
         OnnxCudaGraphWarning,
         stacklevel=3,
     )
-    return _session(path, section, threads, device, False, manifest["dtype"]), False
+    return _session(path, threads, device, False, manifest, verified), False
 
 
 def _session(
-    path: Path, section: dict[str, Any], threads: int | None, device: str, cuda_graphs: bool, dtype: str
+    path: Path, threads: int | None, device: str, capture: bool, manifest: dict[str, Any], verified: Callable[[], Any]
 ) -> Any:
-    """An InferenceSession, or an ArtifactError: ONNX Runtime's CPU provider has no bfloat16
-    kernels for most operators (a bfloat16 graph loads on CUDA only)."""
+    """An InferenceSession (on the CPU, over the packed copy of the graph: onnx_packed.py), or an
+    ArtifactError: ONNX Runtime's CPU provider has no bfloat16 kernels for most operators (a
+    bfloat16 graph loads on CUDA only)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    # Loading logs errors only: the graph's optional input (logits_index, whose default is an
-    # initializer) draws a warning on every load that it is not constant-folded, which it must not
-    # be. A run logs warnings (`run_options`), where ONNX Runtime says what it copies.
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
+    def options() -> Any:
+        made = ort.SessionOptions()
+        # Loading logs errors only: the graph's optional input (logits_index, whose default is an
+        # initializer) draws a warning on every load that it is not constant-folded, which it must not
+        # be. A run logs warnings (`run_options`), where ONNX Runtime says what it copies.
+        made.log_severity_level = 3
+        if threads:
+            made.intra_op_num_threads = threads
+        return made
+
     providers: list[Any] = ["CPUExecutionProvider"]
     if device == "cuda":
         # ONNX Runtime's CUDA provider multiplies float32 matrices in TF32 (10-bit mantissas) unless
         # told not to; a float32 artifact computes in float32, as torch's CUDA backends do
-        cuda = {"enable_cuda_graph": "1" if cuda_graphs else "0", "use_tf32": "0"}
+        cuda = {"enable_cuda_graph": "1" if capture else "0", "use_tf32": "0"}
         providers.insert(0, ("CUDAExecutionProvider", cuda))
-    try:
-        return ort.InferenceSession(str(path), options, providers=providers)
-    except Exception as err:  # onnxruntime raises its own exception types, by status
-        reason = first_line(err)
-        if cuda_graphs and _NO_CAPTURE in reason:
-            raise _NoCapture(reason) from None
-        bfloat16_on_cpu = dtype == "bfloat16" and device == "cpu"
-        way_out = (
-            "ONNX Runtime's CPU provider has no bfloat16 kernels for it: run it where a CUDA GPU is (the onnx "
-            "backend takes it when present), or re-export with --dtype float32 or float16 for the CPU"
-            if bfloat16_on_cpu
-            else f"install an onnxruntime-gpu that runs opset {section['opset']} or re-export the artifact with "
-            "this staticrt"
-        )
-        raise ArtifactError(
-            f"{path}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
-            f"{section['ir_version']}, {dtype}): {reason}; {way_out}"
-        ) from None
+
+    def make(graph: str, asked: Any) -> Any:
+        try:
+            return ort.InferenceSession(graph, asked, providers=providers)
+        except Exception as err:  # onnxruntime raises its own exception types, by status
+            reason, section = first_line(err), manifest["onnx"]
+            if capture and _NO_CAPTURE in reason:
+                raise _NoCapture(reason) from None
+            bfloat16_on_cpu = manifest["dtype"] == "bfloat16" and device == "cpu"
+            way_out = (
+                "ONNX Runtime's CPU provider has no bfloat16 kernels for it: run it where a CUDA GPU is (the onnx "
+                "backend takes it when present), or re-export with --dtype float32 or float16 for the CPU"
+                if bfloat16_on_cpu
+                else f"install an onnxruntime-gpu that runs opset {section['opset']} or re-export the artifact with "
+                "this staticrt"
+            )
+            raise ArtifactError(
+                f"{graph}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
+                f"{section['ir_version']}, {manifest['dtype']}): {reason}; {way_out}"
+            ) from None
+
+    if device == "cpu":
+        return packed_session(path, manifest, make, options, verified)
+    return make(str(path), options())
 
 
 def has_cuda_device() -> bool:

@@ -11,12 +11,16 @@ from .console import console, show_table
 
 
 def _what(entry: Entry) -> str:
-    """A line on what an entry holds: a graph's model and shape, a converted checkpoint's source."""
+    """A line on what an entry holds: a graph's model and shape, a converted checkpoint's or ONNX graph's source."""
     if entry.kind == "gguf":
         return f"checkpoint converted from {entry.path.name.rsplit('-', 1)[0]}.gguf"
     if entry.kind == "llama.cpp":
         return "llama-server and llama-bench built for this CPU (bench-serve's llama.cpp contender)"
     try:
+        if entry.kind == "onnx":
+            recorded = json.loads((entry.path / "entry.json").read_text())
+            runtime = recorded["fields"]["onnxruntime"]
+            return f"ONNX graph of {recorded['source']}, weights packed for this CPU (onnxruntime {runtime})"
         fields = json.loads((entry.path / "entry.json").read_text())["fields"]
         config, (width, choice, _), cache = fields["config"], fields["graph"], fields["cache"]
         step = "decode" if width == 1 else f"{width}-token prefill"

@@ -154,20 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     cache = sub.add_parser(
         "cache",
-        help="list or free what staticrt keeps for later processes (compiled graphs, converted GGUF files)",
+        help="list or free what staticrt keeps for later processes (compiled graphs, converted GGUFs, ONNX graphs)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="The cache is $STATICRT_CACHE, else $XDG_CACHE_HOME/staticrt, else ~/.cache/staticrt.\n"
         "graphs: the compiled backend's CPU step graphs (AOTInductor libraries, a decode graph with its\n"
         "packed weights), keyed by the weights' hash, config, cache shape, threads, torch and CPU: a later\n"
         "process loads them in about a second instead of compiling for a minute. gguf: checkpoints\n"
-        "converted from a .gguf --model. A process with an entry loaded keeps running when it is removed.\n"
+        "converted from a .gguf --model. onnx: ONNX artifacts' graphs as ONNX Runtime optimizes them, their\n"
+        "weights packed for this CPU (about twice the graph's bytes): a later session maps them instead of\n"
+        "packing them again. A process with an entry loaded keeps running when it is removed.\n"
         "STATICRT_COMPILE_CACHE=off compiles in each process and stores nothing.\n"
         "examples:\n  staticrt cache list\n  staticrt cache clear --older-than 30\n"
         "  staticrt cache clear --kind graphs",
     )
     cache.add_argument("action", choices=("list", "clear"))
     cache.add_argument(
-        "--kind", choices=("all", "graphs", "gguf", "llama.cpp"), default="all", help="which entries (default all)"
+        "--kind",
+        choices=("all", "graphs", "gguf", "onnx", "llama.cpp"),
+        default="all",
+        help="which entries (default all)",
     )
     cache.add_argument(
         "--older-than", type=float, default=None, metavar="DAYS", help="clear: only entries unused this many days"
