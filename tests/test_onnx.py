@@ -5,6 +5,7 @@ written in place; no torch at deploy; bad inputs refused with the limit or the f
 from __future__ import annotations
 
 import json
+import mmap
 import shutil
 import subprocess
 import sys
@@ -596,3 +597,38 @@ def test_the_files_hashes_are_checked_beside_the_session_and_nothing_is_written_
     monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad")))
     with pytest.raises(ArtifactError, match=refusal):  # not "cannot load this graph"
         load_artifact(folder, backend="onnx")
+
+
+def _written_pages(address: int, size: int) -> int:
+    """Pages of [address, address + size) this process holds as its own (/proc/self/pagemap: present
+    and exclusively mapped): a page only read maps the kernel's shared zero page and is not counted,
+    and neither are neighbouring mappings the kernel merged with this one."""
+    first, count = address // mmap.PAGESIZE, -(-size // mmap.PAGESIZE)
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
+    return int(np.count_nonzero((entries >> np.uint64(63)) & (entries >> np.uint64(56)) & np.uint64(1)))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the pages' residency is read from Linux's /proc/self/pagemap")
+def test_the_cache_is_resident_only_where_steps_wrote_and_a_reset_zeroes_it_and_gives_its_pages_back(
+    hf_checkpoints, tmp_path
+):
+    """The CPU cache's buffers are pages of one anonymous mapping (backends/zeroed_pages.py): on a
+    one-row graph whose layers are GroupQueryAttention (what a quantized export runs), 9 positions
+    of 128 make part of it resident, not the whole context; a reset reads as zeros again and holds
+    no page; the next generation gives the same tokens."""
+    model = staticrt.load_model(hf_checkpoints["llama"][0])
+    folder = export_artifact(model, CacheSpec("static", 1, 128), [64], tmp_path / "llama", ["onnx"])
+    assert group_query_attention(folder / "onnx" / "model.onnx", 1) == model.config.num_layers
+    _graph_rewritten(folder)
+    gen = load_artifact(folder, backend="onnx")
+    host = gen.backend.host
+    size, address = len(host.memory), host.arrays[0].ctypes.data  # each layer's K and V: [1, H_kv, 128, D]
+    assert _written_pages(address, size) == 0
+    first = gen.generate([prompts()[1]], max_new_tokens=4)  # 5 + 4 positions
+    written = _written_pages(address, size)
+    assert 0 < written <= size // mmap.PAGESIZE // 2 and any(array.any() for array in host.arrays), (written, size)
+    gen.backend.reset()
+    assert _written_pages(address, size) == 0 and not any(array.any() for array in host.arrays)
+    assert gen.generate([prompts()[1]], max_new_tokens=4) == first

@@ -1,13 +1,14 @@
 """ONNX Runtime backend: runs an artifact's ONNX graph through the one generation loop, with
 onnxruntime and NumPy alone (no torch, no model code).
 
-Each cache tensor is allocated once as an OrtValue on the session's device and bound, with
-IOBinding, as both `past_key_values.{i}.*` and `present.{i}.*`, so every step's TensorScatter
-writes it in place. Rows are laid out as the graph expects (exporters/onnx_export.py): a prompt is
-placed at the right end of a prefill of `max(prompt lengths)` columns (holes on the left, masked),
-and each decode step adds one column. For caches with a linear layer the mask keeps one width,
-the cache length, with zeros after the last column, so decode runs one shape every step (what
-ONNX Runtime's CUDA graphs need); an all-rotating cache has no length, and its mask grows.
+Each cache tensor is allocated once as an OrtValue on the session's device (on the CPU, pages of
+one anonymous mapping, resident only where written: zeroed_pages.py) and bound, with IOBinding, as
+both `past_key_values.{i}.*` and `present.{i}.*`, so every step's TensorScatter writes it in place.
+Rows are laid out as the graph expects (exporters/onnx_export.py): a prompt is placed at the right
+end of a prefill of `max(prompt lengths)` columns (holes on the left, masked), and each decode step
+adds one column. For caches with a linear layer the mask keeps one width, the cache length, with
+zeros after the last column, so decode runs one shape every step (what ONNX Runtime's CUDA graphs
+need); an all-rotating cache has no length, and its mask grows.
 Tokens are chosen on the host (host_sampling.py) from the logits of the step's last column; a
 verify step (speculative decoding, an artifact of one row) asks the graph for every column's
 (`logits_index`, read from `indexed_logits`).
@@ -27,6 +28,7 @@ from ..generation.host_sampling import choose, verify
 from ..generation.params import SamplingParams
 from .artifact_base import ArtifactBackend
 from .onnx_session import has_cuda_device, session
+from .zeroed_pages import ZeroedPages
 
 
 class OnnxBackend(ArtifactBackend):
@@ -71,16 +73,8 @@ class OnnxBackend(ArtifactBackend):
         )
         # The graph takes any prompt width; the loop's padding is stripped in `_step_inputs`.
         self.buckets = (self.max_sequence_len or manifest["model"]["config"]["max_position_embeddings"],)
-        self.caches: dict[str, Any] = {}  # past input name -> its OrtValue [B, H_kv, N_i, D]
         self.binding = self.session.io_binding()
-        for spec in section["inputs"]:
-            if spec["name"].startswith("past_key_values."):
-                shape = [self.batch_size, *spec["shape"][1:]]
-                value = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(spec["dtype"]), device, 0)
-                self.caches[spec["name"]] = value
-                # One buffer as past and present: every step's write lands in it, in place.
-                self.binding.bind_ortvalue_input(spec["name"], value)
-                self.binding.bind_ortvalue_output(spec["name"].replace("past_key_values.", "present."), value)
+        self._bind_caches(section["inputs"])
         self.logits_dtype = np.dtype(next(spec["dtype"] for spec in section["outputs"] if spec["name"] == "logits"))
         self.logits: dict[tuple[int, bool], Any] = {}  # the logits' buffers [B, columns, V] (`_logits`)
         if self.indexed:  # `logits` too is bound, to a buffer of its own: a CUDA graph replays bound outputs only
@@ -94,6 +88,25 @@ class OnnxBackend(ArtifactBackend):
         if self.cuda_graphs:  # decode replays one captured graph; prefill never
             self.run_options[1].add_run_config_entry("gpu_graph_id", "1")
             self.run_options[0].add_run_config_entry("gpu_graph_id", "-1")
+
+    def _bind_caches(self, inputs: list[dict[str, Any]]) -> None:
+        """One buffer for each `past_key_values.*` input, bound as it and as its `present.*`
+        output: every step's write lands in it, in place."""
+        import onnxruntime as ort
+
+        self.caches: dict[str, Any] = {}  # past input name -> its OrtValue [B, H_kv, N_i, D]
+        past = [spec for spec in inputs if spec["name"].startswith("past_key_values.")]
+        shapes = [([self.batch_size, *spec["shape"][1:]], spec["dtype"]) for spec in past]
+        # On the CPU the buffers are pages of one mapping, resident only where a step has written
+        self.host = ZeroedPages(shapes) if self.device == "cpu" else None
+        for i, (spec, (shape, dtype)) in enumerate(zip(past, shapes, strict=True)):
+            if self.host is not None:
+                value = ort.OrtValue.ortvalue_from_numpy(self.host.arrays[i], self.device, 0)
+            else:
+                value = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.dtype(dtype), self.device, 0)
+            self.caches[spec["name"]] = value
+            self.binding.bind_ortvalue_input(spec["name"], value)
+            self.binding.bind_ortvalue_output(spec["name"].replace("past_key_values.", "present."), value)
 
     def report(self) -> dict[str, Any]:
         """Where the graph ran and whether its decode replayed a captured CUDA graph: the speed of
@@ -127,10 +140,10 @@ class OnnxBackend(ArtifactBackend):
                 self.check_loaded(f"the shape of {spec['name']}", spec["shape"][1:], held, path)
 
     def reset(self) -> None:
-        for value in self.caches.values():
-            if self.device == "cpu":
-                value.numpy().fill(0)  # a view of the OrtValue's own memory
-            else:
+        if self.host is not None:
+            self.host.zero()
+        else:
+            for value in self.caches.values():
                 value.update_inplace(np.zeros(value.shape(), dtype=np.dtype(self.manifest["dtype"])))
         self.mask[:] = 0
         self.columns = 0
