@@ -26,6 +26,7 @@ GROUND_FLOOR = (
     "staticrt.config",
     "staticrt.dtypes",
     "staticrt.errors",
+    "staticrt.heap",
     "staticrt.recurrent_config",
     "staticrt.rope",
     "staticrt.rope_config",

@@ -14,11 +14,11 @@ place): the float matrices are let go and the weights are held once.
 from __future__ import annotations
 
 import copy
-import ctypes
 
 import torch
 from torch import nn
 
+from ..heap import return_freed_memory
 from . import packed_gemv
 from .decoder import Decoder
 from .moe import Experts
@@ -132,7 +132,7 @@ def pack(model: Decoder, twin: bool) -> Decoder:
     if model.packed:
         return model
     if not twin:
-        _return_freed_memory()  # what loading let go: the packed copies are not stacked on top of it
+        return_freed_memory()  # what loading let go: the packed copies are not stacked on top of it
     packed = _packed(model, twin)
     if model.lm_head is None:  # tied
         table = model.embed_tokens.weight
@@ -147,7 +147,7 @@ def pack(model: Decoder, twin: bool) -> Decoder:
         del table, head
     packed.packed = True
     if not twin:
-        _return_freed_memory()  # the float matrices
+        return_freed_memory()  # the float matrices
     return packed
 
 
@@ -216,12 +216,3 @@ def _positions(rows: int, columns: int, along: int, dtype: torch.dtype) -> torch
     where = torch.full((count,), -1, dtype=torch.int64)
     where[flat[found].long() - 1] = found
     return where
-
-
-def _return_freed_memory() -> None:
-    """Hand memory freed to the C heap back to the system (glibc's `malloc_trim`): freed matrices
-    otherwise stay in the process's resident set (SmolLM2 packed in place: 1.2-1.4 GB peak
-    without, 1.15-1.17 GB with). Nothing where the C library has no such call."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the symbols this process already has
-    if trim is not None:
-        trim(0)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, GenerationError, first_line
+from ..heap import return_freed_memory
 from .chat_template import Message, read_chat_template, read_tokenizer_config, render_chat
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -125,6 +126,7 @@ def load_tokenizer(folder: Path) -> Tokenizer | None:
         raise CheckpointError(
             f"{path} cannot be read by the tokenizers library ({reason}); restore the checkpoint's tokenizer.json"
         ) from None
+    return_freed_memory()  # what the parse let go (SmolLM2's: 17 MB)
     config = read_tokenizer_config(Path(folder))
     special = {}
     for name in SPECIAL_TOKENS:
