@@ -575,8 +575,9 @@ def test_the_files_hashes_are_checked_beside_the_session_and_nothing_is_written_
     onnx_artifacts, tmp_path, caplog, monkeypatch
 ):
     """load_artifact takes the files' hashes while ONNX Runtime makes the session: an altered file
-    is refused as before, also when the session fails first; no packed copy is written from it,
-    and one written earlier from the whole artifact does not let the altered one run."""
+    is refused as before, also when the session fails first; nothing is parsed beside the session
+    (`beside`) and no packed copy is written from it, and one written earlier from the whole
+    artifact does not let the altered one run."""
     from staticrt.artifacts.user_cache import entries
 
     folder = _copy(onnx_artifacts["qwen2", "static"], tmp_path)
@@ -584,11 +585,13 @@ def test_the_files_hashes_are_checked_beside_the_session_and_nothing_is_written_
     whole = data.read_bytes()
     data.write_bytes(whole[:1234] + bytes([whole[1234] ^ 0xFF]) + whole[1235:])
     refusal = rf"^{data} does not match the sha256 in manifest.json \(changed or corrupted since export\)"
+    parsed: list[Path] = []  # what `run` parses beside the session (its tokenizer): only from files that passed
     with pytest.raises(ArtifactError, match=refusal), caplog.at_level("WARNING", logger="staticrt"):
-        load_artifact(folder, backend="onnx")
-    assert entries("onnx") == [] and caplog.text == ""  # refused as the artifact's error, not the cache's
+        load_artifact(folder, backend="onnx", beside=lambda: parsed.append(folder))
+    assert entries("onnx") == [] and caplog.text == "" and parsed == []  # the artifact's error, not the cache's
     data.write_bytes(whole)
-    load_artifact(folder, backend="onnx")
+    load_artifact(folder, backend="onnx", beside=lambda: parsed.append(folder))
+    assert parsed == [folder]
     on_a_gpu = has_cuda_device() and "CUDAExecutionProvider" in onnxruntime.get_available_providers()
     assert len(entries("onnx")) == (0 if on_a_gpu else 1)  # the copy is the CPU's
     data.write_bytes(whole[:1234] + bytes([whole[1234] ^ 0xFF]) + whole[1235:])

@@ -43,11 +43,16 @@ def open_source(args: argparse.Namespace) -> Source:
                 "an artifact's weights and dtype were fixed when it was exported; drop --quantize/--dtype, or "
                 "export again with them: staticrt export --model ... --quantize ..."
             )
-        gen = load_artifact(args.artifact, backend=args.backend, threads=args.threads)
+        folder = Path(args.artifact)
+        tokenizer: list[Any] = []  # parsed while ONNX Runtime initializes the session
+
+        def parse() -> None:
+            tokenizer.append(load_tokenizer(folder))
+
+        gen = load_artifact(folder, backend=args.backend, threads=args.threads, beside=parse)
         if args.threads and gen.backend.name != "onnx":  # ONNX Runtime took them; an ONNX artifact loads no torch
             _torch_threads(args.threads)
-        folder = Path(args.artifact)
-        return Source(str(folder), None, gen, load_tokenizer(folder), read_generation_defaults(folder))
+        return Source(str(folder), None, gen, tokenizer[0], read_generation_defaults(folder))
     if not args.model:
         raise GenerationError("say what to run: --model PRESET_OR_FOLDER, or an artifact folder")
     if args.threads:

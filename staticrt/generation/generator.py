@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,13 +73,20 @@ def create_backend(name: str, model: Any, **options: Any) -> StepBackend:
     return entry.build(model, **options)
 
 
-def load_artifact(path: str | Path, backend: str | None = None, threads: int | None = None) -> Generator:
+def load_artifact(
+    path: str | Path,
+    backend: str | None = None,
+    threads: int | None = None,
+    beside: Callable[[], Any] | None = None,
+) -> Generator:
     """A `Generator` over the artifact in `path`, checked before it is returned: its manifest first,
     its files' hashes before a torch program loads or beside ONNX Runtime's session.
 
     `backend` picks what runs: "aoti" (AOTInductor packages), "pt2" (torch.export programs) or
     "onnx" (ONNX Runtime; imports neither torch nor the model code); by default the first of those
     the artifact holds. `threads` sets ONNX Runtime's intra-op threads (torch's are torch's).
+    `beside()` is work for this thread while ONNX Runtime initializes the session (`run` parses
+    the tokenizer there); it runs after the load for a torch program.
     """
     folder = Path(path)
     threads = None if threads is None else as_int(threads, "threads", 1, ArtifactError)
@@ -88,20 +95,32 @@ def load_artifact(path: str | Path, backend: str | None = None, threads: int | N
     require_format(folder, manifest, backend)
     if backend != "onnx":  # a program's native code is loaded only from files that passed their hashes
         verify_files(folder, manifest["files"])
-        return Generator(BACKENDS[backend].build(folder, backend, manifest))
-    # ONNX Runtime parses and checks what it reads, so the files' hashes are taken beside it
-    # (hashlib and onnxruntime release the GIL: SmolLM2's 112 MB int4 graph hashes in 0.08 s of a
-    # 0.3 s load) and checked before the backend is returned; the backend waits for them before it
-    # writes anything from the files (`verified`). A file that fails its hash is the error heard first.
+        gen = Generator(BACKENDS[backend].build(folder, backend, manifest))
+        if beside is not None:
+            beside()
+        return gen
+    # ONNX Runtime parses and checks what it reads, so its session is made in a worker thread while
+    # this one takes the files' hashes (hashlib releases the GIL: SmolLM2's 106 MB int4 artifact
+    # hashes in 0.08 s), checked before the backend is returned; the backend waits for them before
+    # it writes anything from the files (`verified`). A file that fails its hash is the error heard
+    # first. ONNX Runtime holds the GIL only while it loads the graph, which the hashes outlast, so
+    # `beside()` (the tokenizers library holds the GIL throughout its parse) overlaps the session's
+    # initialization rather than stalling its load.
+    hashed: Future[None] = Future()
     with ThreadPoolExecutor(1) as pool:
-        hashes = pool.submit(verify_files, folder, manifest["files"])
+        options = {"threads": threads, "verified": hashed.result}
+        building = pool.submit(BACKENDS[backend].build, folder, backend, manifest, **options)
         try:
-            built = BACKENDS[backend].build(folder, backend, manifest, threads=threads, verified=hashes.result)
-        except BaseException:
-            hashes.result()
+            verify_files(folder, manifest["files"])
+            hashed.set_result(None)
+            if beside is not None:
+                beside()
+        except BaseException as err:
+            if not hashed.done():
+                hashed.set_exception(err)
+            wait([building])
             raise
-        hashes.result()
-    return Generator(built)
+        return Generator(building.result())
 
 
 def _call_options(
