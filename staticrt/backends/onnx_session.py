@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArtifactError, first_line
+from .mapped_pages import release_read_pages
 from .onnx_packed import packed_session
 
 
@@ -79,7 +80,7 @@ def _session(
 
     def make(graph: str, asked: Any) -> Any:
         try:
-            return ort.InferenceSession(graph, asked, providers=providers)
+            made = ort.InferenceSession(graph, asked, providers=providers)
         except Exception as err:  # onnxruntime raises its own exception types, by status
             reason, section = first_line(err), manifest["onnx"]
             if capture and _NO_CAPTURE in reason:
@@ -96,6 +97,9 @@ def _session(
                 f"{graph}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
                 f"{section['ir_version']}, {manifest['dtype']}): {reason}; {way_out}"
             ) from None
+        if device == "cpu":  # what making it read of the weights it did not pack (mapped_pages.py)
+            release_read_pages(Path(f"{graph}.data"))
+        return made
 
     if device == "cpu":
         return packed_session(path, manifest, make, options, verified)

@@ -1,0 +1,40 @@
+"""backends/mapped_pages.py: the pages of a file's private mappings that hold only its bytes are
+given back to the kernel and read again as they were; a mapping the process wrote keeps them."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+
+from staticrt.backends.mapped_pages import release_read_pages
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="pages are released and counted through Linux's /proc")
+
+
+def _present(pages: np.ndarray) -> int:
+    """How many pages of `pages`' memory are present in this process (/proc/self/pagemap bit 63)."""
+    first, count = pages.ctypes.data // mmap.PAGESIZE, pages.nbytes // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
+    return int(np.count_nonzero(entries >> np.uint64(63)))
+
+
+def test_pages_only_read_are_given_back_and_read_again_and_a_written_mapping_keeps_them(tmp_path):
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(np.arange(64 * mmap.PAGESIZE, dtype=np.uint32).astype(np.uint8).tobytes())  # 64 pages
+    private = {"flags": mmap.MAP_PRIVATE, "prot": mmap.PROT_READ | mmap.PROT_WRITE}  # as ONNX Runtime maps them
+    with open(data, "rb") as file:
+        read, written = (np.frombuffer(mmap.mmap(file.fileno(), 0, **private), np.uint8) for _ in range(2))
+    expected = int(read.astype(np.int64).sum())
+    assert int(written.astype(np.int64).sum()) == expected  # every page of both present
+    written[mmap.PAGESIZE] = 7  # one page of this mapping is the process's own copy now
+    assert _present(read) == _present(written) == 64
+    assert release_read_pages(data) == 64 * mmap.PAGESIZE  # the one only read
+    assert _present(read) == 0 and _present(written) == 64
+    assert int(read.astype(np.int64).sum()) == expected  # read again from the file, as it was
+    assert written[mmap.PAGESIZE] == 7 and data.read_bytes()[mmap.PAGESIZE] != 7
+    assert release_read_pages(tmp_path / "not-mapped.data") == 0
