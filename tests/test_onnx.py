@@ -533,8 +533,9 @@ def test_a_later_session_maps_the_graph_onnx_runtime_packed_for_this_cpu_and_giv
 ):
     """The first session writes ONNX Runtime's optimized graph with its prepacked weights into the
     user cache (backends/onnx_packed.py); later ones load that copy, whose tokens are the
-    artifact's own; a copy of the wrong size is written again, and a cache that cannot be written
-    leaves the session as ONNX Runtime makes it from the artifact."""
+    artifact's own; a copy of the wrong size is written again; STATICRT_COMPILE_CACHE=off stores
+    none, and a cache that cannot be written leaves the session as ONNX Runtime makes it from the
+    artifact."""
     from staticrt.artifacts.user_cache import entries
     from staticrt.backends.onnx import OnnxBackend
 
@@ -562,6 +563,10 @@ def test_a_later_session_maps_the_graph_onnx_runtime_packed_for_this_cpu_and_giv
         assert tokens() == first
     assert f"the packed ONNX graph in {entry.path} is unusable (model.onnx.data is not the size" in caplog.text
     assert loaded[3:] == [str(artifact / "onnx" / "model.onnx"), str(entry.path / "model.onnx")]
+    monkeypatch.setenv("STATICRT_COMPILE_CACHE", "off")  # the artifact's graph, packed on the heap; nothing stored
+    shutil.rmtree(entry.path)
+    assert tokens() == first and entries("onnx") == [] and loaded[5:] == [str(artifact / "onnx" / "model.onnx")]
+    monkeypatch.delenv("STATICRT_COMPILE_CACHE")
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv("STATICRT_CACHE", str(blocked))  # the cache's folder cannot be made

@@ -31,6 +31,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "staticrt"
 
 
+def storing() -> bool:
+    """Whether compiled graphs and ONNX Runtime's packed graphs are kept for later processes:
+    `STATICRT_COMPILE_CACHE=off` (or 0, no, false) makes each process build its own and store nothing."""
+    return os.environ.get("STATICRT_COMPILE_CACHE", "on").lower() not in ("0", "off", "no", "false")
+
+
 @dataclass(frozen=True)
 class Entry:
     kind: str

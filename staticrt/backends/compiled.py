@@ -10,7 +10,6 @@ eager, and `error_on_recompile` can prove that a generation never recompiles.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import types
 from collections.abc import Hashable, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..artifacts.user_cache import storing
 from ..cpp_builds.kernel_libraries import few_kernel_libraries
 from ..errors import GenerationError
 from ..generation import builds
@@ -62,8 +62,7 @@ class CompiledBackend(GraphPolicy, EagerBackend):
         self._frozen_weights: list[tuple[int, int]] | None = None  # weights as a frozen graph holds them
         self._no_bias: torch.Tensor | None = None  # the [B, V] zeros a step without a logit bias adds
         # CPU graphs kept across processes (graph_store.py); STATICRT_COMPILE_CACHE=off compiles each time.
-        stored = os.environ.get("STATICRT_COMPILE_CACHE", "on").lower() not in ("0", "off", "no", "false")
-        self.store = GraphStore(self.model, self.cache) if stored else None
+        self.store = GraphStore(self.model, self.cache) if storing() else None
 
     def reset(self) -> None:
         super().reset()

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..artifacts.user_cache import cache_root
+from ..artifacts.user_cache import cache_root, storing
 from ..artifacts.write import write_folder
 from ..errors import StaticrtError
 from .onnx_aligned import align_external_data
@@ -78,6 +78,8 @@ def packed_session(
     `options()` gives fresh SessionOptions; `verified()` returns once the artifact's files have
     passed their hashes (or raises): a copy is written only from files that did.
     """
+    if not storing():  # STATICRT_COMPILE_CACHE=off: packed on the heap, as ONNX Runtime does alone
+        return make(str(graph), options())
     fields = _fields(graph, manifest)
     text = json.dumps(fields, sort_keys=True)
     folder = cache_root() / "onnx" / hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         "converted from a .gguf --model. onnx: ONNX artifacts' graphs as ONNX Runtime optimizes them, their\n"
         "weights packed for this CPU (about twice the graph's bytes): a later session maps them instead of\n"
         "packing them again. A process with an entry loaded keeps running when it is removed.\n"
-        "STATICRT_COMPILE_CACHE=off compiles in each process and stores nothing.\n"
+        "STATICRT_COMPILE_CACHE=off compiles, and packs ONNX weights, in each process and stores nothing.\n"
         "examples:\n  staticrt cache list\n  staticrt cache clear --older-than 30\n"
         "  staticrt cache clear --kind graphs",
     )
