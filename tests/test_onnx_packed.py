@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import onnx
 import onnxruntime
+import pytest
 
 # A float MatMul [3, 120] then [120, 40], run through backends/onnx_packed.py in a child process
 # (a crash must fail the test, not the worker): ONNX Runtime 1.31.1 saves the first MatMul's
@@ -70,3 +71,28 @@ def test_a_packed_copy_places_every_blob_where_mlas_reads_it_and_runs_as_the_gra
     ]
     blobs = sum(entry.key.startswith("prepacked") for tensor in saved for entry in tensor.external_data)
     assert blobs == 2 and len(offsets) == 4 and all(offset % 4096 == 0 for offset in offsets), offsets
+
+
+def test_external_data_in_a_form_it_does_not_know_is_refused_by_name_and_the_files_are_left(tmp_path):
+    """A saved graph whose prepacked entry is not ONNX Runtime 1.31's `key|offset;length;checksum`
+    (another version's form) is not laid out half: the error names the tensor, and the graph and
+    its data file are as they were (the packed copy then falls back to the artifact's graph)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from staticrt.backends.onnx_aligned import align_external_data
+    from staticrt.errors import StaticrtError
+
+    weight = numpy_helper.from_array(np.ones((4, 4), dtype=np.float32), "w")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    io = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [None, 4]) for name in ("x", "y")]
+    model = helper.make_model(helper.make_graph([node], "one", io[:1], io[1:], [weight]), ir_version=9)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    saved = onnx.load(str(path), load_external_data=False)
+    saved.graph.initializer[0].external_data.add(key="prepacked_1", value="MatMul+1|64;no-length")
+    onnx.save(saved, str(path))
+    before = path.read_bytes(), (tmp_path / "m.onnx.data").read_bytes()
+    with pytest.raises(StaticrtError, match=r"the external data of 'w' is not in the form this staticrt lays out"):
+        align_external_data(path, tmp_path / "m.onnx.data")
+    assert (path.read_bytes(), (tmp_path / "m.onnx.data").read_bytes()) == before
+    assert sorted(found.name for found in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]  # nothing half-written

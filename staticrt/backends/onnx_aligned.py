@@ -26,36 +26,56 @@ ALIGNMENT = mmap.ALLOCATIONGRANULARITY  # what ONNX Runtime maps a tensor from: 
 
 def align_external_data(graph: Path, data: Path) -> None:
     """Rewrite `data` (the file `graph`'s external tensors read) with every region at an
-    `ALIGNMENT` multiple and `graph` pointing at the new offsets. Both files are replaced in place:
-    call it on a copy being built."""
+    `ALIGNMENT` multiple and `graph` pointing at the new offsets. Both files are replaced in place
+    once all is written, and left as they were if anything fails: call it on a copy being built."""
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
     moved = data.with_name(f"{data.name}.aligned")
-    with open(data, "rb") as source, open(moved, "wb") as target:
-
-        def place(offset: int, length: int) -> int:
-            """Copy `length` bytes from `offset` to the next aligned offset of `target`; return it."""
-            at = -(-target.tell() // ALIGNMENT) * ALIGNMENT
-            target.write(b"\0" * (at - target.tell()))
-            source.seek(offset)
-            if _copy(source, target, length) != length:
-                raise StaticrtError(f"{data} ends before the {length} bytes at offset {offset} that {graph} names")
-            return at
-
-        for tensor in _external_tensors(model.graph):
-            entries = {entry.key: entry for entry in tensor.external_data}
-            entries["offset"].value = str(place(int(entries["offset"].value), int(entries["length"].value)))
-            for key, entry in entries.items():
-                if key.startswith("prepacked"):
-                    name, *blobs = entry.value.split("|")
-                    placed = []
-                    for blob in blobs:
-                        offset, length, checksum = blob.split(";")
-                        placed.append(f"{place(int(offset), int(length))};{length};{checksum}")
-                    entry.value = "|".join([name, *placed])
+    try:
+        with open(data, "rb") as source, open(moved, "wb") as target:
+            for tensor in _external_tensors(model.graph):
+                try:
+                    _relocate(tensor, lambda offset, length: _place(source, target, offset, length, data))
+                except (KeyError, ValueError) as err:  # another onnxruntime's form: the copy is not kept
+                    raise StaticrtError(
+                        f"{graph}: the external data of {tensor.name!r} is not in the form this staticrt lays out "
+                        f"({type(err).__name__}: {err})"
+                    ) from None
+    except BaseException:
+        moved.unlink(missing_ok=True)
+        raise
     moved.replace(data)
     onnx.save(model, str(graph))
+
+
+def _relocate(tensor: Any, place: Any) -> None:
+    """Point `tensor`'s offset and its prepacked blobs' offsets where `place(offset, length)` copied them."""
+    entries = {entry.key: entry for entry in tensor.external_data}
+    entries["offset"].value = str(place(int(entries["offset"].value), int(entries["length"].value)))
+    for key, entry in entries.items():
+        if key.startswith("prepacked"):
+            name, *blobs = entry.value.split("|")
+            placed = []
+            for blob in blobs:
+                offset, length, checksum = blob.split(";")
+                placed.append(f"{place(int(offset), int(length))};{length};{checksum}")
+            entry.value = "|".join([name, *placed])
+
+
+def _place(source: Any, target: Any, offset: int, length: int, data: Path) -> int:
+    """Copy `length` bytes at `offset` of `source` to the next aligned offset of `target`; return that offset."""
+    at = -(-target.tell() // ALIGNMENT) * ALIGNMENT
+    target.write(b"\0" * (at - target.tell()))
+    source.seek(offset)
+    copied = 0
+    while copied < length:
+        chunk = source.read(min(length - copied, 1 << 24))
+        if not chunk:
+            raise StaticrtError(f"{data} ends before the {length} bytes its graph names at offset {offset}")
+        target.write(chunk)
+        copied += len(chunk)
+    return at
 
 
 def _external_tensors(graph: Any) -> list[Any]:
@@ -70,15 +90,3 @@ def _external_tensors(graph: Any) -> list[Any]:
             for sub in [attribute.g, *attribute.graphs] if attribute.HasField("g") else attribute.graphs:
                 found += _external_tensors(sub)
     return found
-
-
-def _copy(source: Any, target: Any, length: int) -> int:
-    """Copy `length` bytes between open files in bounded chunks; return how many there were."""
-    copied = 0
-    while copied < length:
-        chunk = source.read(min(length - copied, 1 << 24))
-        if not chunk:
-            break
-        target.write(chunk)
-        copied += len(chunk)
-    return copied
