@@ -7,8 +7,8 @@ step does: on SmolLM2's int4 artifact, its packed copy, 43 MiB (the token table 
 row of, the MatMulNBits scales its packed blobs hold too); 21 tokens read 3.6 MiB of them back.
 `madvise(MADV_DONTNEED)` on a private file mapping drops its pages; a page the process wrote is its
 own (anonymous) copy, which dropping would lose, so a mapping with any such page is left alone
-(/proc/self/pagemap: a present page of a file mapping that is not the file's). Linux only;
-elsewhere nothing is done. Imports no torch.
+(/proc/self/pagemap: a present page of a file mapping that is not the file's, or a swapped one).
+Linux only; elsewhere nothing is done. Imports no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import mmap
 import sys
 from pathlib import Path
 
-PRESENT, FILE_PAGE = 1 << 63, 1 << 61  # /proc/self/pagemap bits
+PRESENT, SWAPPED, FILE_PAGE = 1 << 63, 1 << 62, 1 << 61  # /proc/self/pagemap bits
 
 
 def release_read_pages(data: Path) -> int:
@@ -42,8 +42,11 @@ def release_read_pages(data: Path) -> int:
             for start, end in spans:
                 pagemap.seek(start // mmap.PAGESIZE * 8)
                 entries = np.frombuffer(pagemap.read((end - start) // mmap.PAGESIZE * 8), dtype=np.uint64)
-                if np.any((entries & np.uint64(PRESENT) != 0) & (entries & np.uint64(FILE_PAGE) == 0)):
-                    continue  # a page this process wrote: not the file's to give back
+                # a page this process wrote is anonymous: present and not the file's, or swapped out
+                # (the file's own pages are never swapped, only dropped)
+                written = (entries & np.uint64(PRESENT) != 0) & (entries & np.uint64(FILE_PAGE) == 0)
+                if np.any(written | (entries & np.uint64(SWAPPED) != 0)):
+                    continue  # not the file's to give back
                 if libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
                     released += end - start
     except OSError:  # no /proc to read: the pages stay, as they would without this
