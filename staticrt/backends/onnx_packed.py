@@ -38,7 +38,7 @@ from typing import Any
 from ..artifacts.user_cache import cache_root, storing
 from ..artifacts.write import write_folder
 from ..errors import StaticrtError
-from .onnx_aligned import align_external_data
+from .onnx_aligned import ALIGNMENT, align_external_data
 
 log = logging.getLogger("staticrt")
 
@@ -56,13 +56,14 @@ def _cpu_flags() -> str:
 
 
 def _fields(graph: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the packed copy of the artifact graph `graph` depends on."""
+    """What the packed copy of the artifact graph `graph` depends on; `aligned`, the page its blobs
+    start on, keeps a copy laid out as ONNX Runtime wrote it (which crashes MLAS) from being loaded."""
     import onnxruntime as ort
 
     folder = graph.parent.name
     digests = {name: manifest["files"].get(f"{folder}/{name}") for name in (graph.name, f"{graph.name}.data")}
     cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16]
-    return {"graph": digests, "onnxruntime": ort.__version__, "cpu": cpu}
+    return {"graph": digests, "onnxruntime": ort.__version__, "cpu": cpu, "aligned": ALIGNMENT}
 
 
 def packed_session(
