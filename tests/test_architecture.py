@@ -26,7 +26,7 @@ GROUND_FLOOR = (
     "staticrt.config",
     "staticrt.dtypes",
     "staticrt.errors",
-    "staticrt.heap",
+    "staticrt.host",
     "staticrt.recurrent_config",
     "staticrt.rope",
     "staticrt.rope_config",

@@ -78,15 +78,15 @@ def test_each_backend_is_held_against_the_streaming_rate_sampled_around_its_own_
 
 
 def test_the_machine_block_reads_the_first_processors_model_and_only_isa_flags(tmp_path):
-    from staticrt.bench.machine import _cpuinfo
+    from staticrt.host import cpuinfo
 
-    cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text(
+    path = tmp_path / "cpuinfo"
+    path.write_text(
         "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse avx2 fma avx512f avx512_bf16\n\n"
         "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n"
     )
-    assert _cpuinfo(cpuinfo) == ("AMD EPYC 9R14", {"fpu", "sse", "avx2", "fma", "avx512f", "avx512_bf16"})
-    assert _cpuinfo(tmp_path / "absent") == ("", set())
+    assert cpuinfo(path) == ("AMD EPYC 9R14", {"fpu", "sse", "avx2", "fma", "avx512f", "avx512_bf16"})
+    assert cpuinfo(tmp_path / "absent") == ("", set())
 
 
 def test_sliding_bench_needs_a_prompt_past_the_window():

@@ -38,21 +38,12 @@ from typing import Any
 from ..artifacts.user_cache import cache_root, storing
 from ..artifacts.write import write_folder
 from ..errors import StaticrtError
+from ..host import cpuinfo
 from .onnx_aligned import ALIGNMENT, align_external_data
 
 log = logging.getLogger("staticrt")
 
 GRAPH, DATA, ENTRY = "model.onnx", "model.onnx.data", "entry.json"
-
-
-def _cpu_flags() -> str:
-    """The CPU's architecture and ISA flags (the first processor's /proc/cpuinfo line, sorted)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        text = ""
-    flags = next((v for k, _, v in (line.partition(":") for line in text.splitlines()) if k.strip() == "flags"), "")
-    return f"{platform.machine()} {' '.join(sorted(flags.split()))}"
 
 
 def _fields(graph: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +53,7 @@ def _fields(graph: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
     folder = graph.parent.name
     digests = {name: manifest["files"].get(f"{folder}/{name}") for name in (graph.name, f"{graph.name}.data")}
-    cpu = hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16]
+    cpu = hashlib.sha256(f"{platform.machine()} {' '.join(sorted(cpuinfo()[1]))}".encode()).hexdigest()[:16]
     return {"graph": digests, "onnxruntime": ort.__version__, "cpu": cpu, "aligned": ALIGNMENT}
 
 

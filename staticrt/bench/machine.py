@@ -7,10 +7,11 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..host import cpuinfo
 
 # The vector and matrix extensions that decide which kernels a CPU step can use.
 ISA_FLAGS = (
@@ -22,7 +23,7 @@ ISA_FLAGS = (
 def machine() -> dict[str, Any]:
     """Where and when: CPU model and ISA flags (from /proc/cpuinfo where there is one), torch's
     view of the CPU, threads, GPU and the UTC time the report was written."""
-    model, flags = _cpuinfo(Path("/proc/cpuinfo"))
+    model, flags = cpuinfo()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(),
@@ -41,19 +42,3 @@ def describe(info: dict[str, Any]) -> str:
     """One line for a table's title: 'AMD EPYC (avx2 fma ... avx512_bf16), 2 threads'."""
     flags = " ".join(info.get("cpu_flags", [])) or "no vector flags read"
     return f"{info.get('cpu_model') or 'unknown CPU'} ({flags}), {info['torch_threads']} threads"
-
-
-def _cpuinfo(path: Path) -> tuple[str, set[str]]:
-    """The first processor's model name and flags; empty where the file is absent (not Linux)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "", set()
-    model, flags = "", set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and not model:
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return model, flags

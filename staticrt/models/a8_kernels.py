@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from pathlib import Path
 
 import torch
 
 from ..artifacts.user_cache import cache_root
 from ..errors import ConfigError
+from ..host import cpuinfo
 from . import a8_int4_source, a8_int8_source, a8_source, packed_gemv_source
 
 # One library: the shared part first, then each kernel's, packed_gemv.py's float one too
@@ -68,11 +68,7 @@ _loaded = False
 def isa() -> str | None:
     """The instruction set the kernels are built for here: AVX512-VNNI, else AVX2 (with FMA and
     F16C), else None."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    flags = set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+    _, flags = cpuinfo()
     if {"avx512_vnni", "avx512bw", "avx512dq", "f16c"} <= flags:
         return "avx512_vnni"
     return "avx2" if {"avx2", "fma", "f16c"} <= flags else None

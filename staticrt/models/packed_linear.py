@@ -18,7 +18,7 @@ import copy
 import torch
 from torch import nn
 
-from ..heap import return_freed_memory
+from ..host import return_freed_memory
 from . import packed_gemv
 from .decoder import Decoder
 from .moe import Experts

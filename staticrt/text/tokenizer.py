@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, GenerationError, first_line
-from ..heap import return_freed_memory
+from ..host import return_freed_memory
 from .chat_template import Message, read_chat_template, read_tokenizer_config, render_chat
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
