@@ -9,17 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from staticrt.backends.mapped_pages import release_read_pages
+from staticrt.backends.mapped_pages import page_entries, release_read_pages
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="pages are released and counted through Linux's /proc")
 
 
 def _present(pages: np.ndarray) -> int:
     """How many pages of `pages`' memory are present in this process (/proc/self/pagemap bit 63)."""
-    first, count = pages.ctypes.data // mmap.PAGESIZE, pages.nbytes // mmap.PAGESIZE
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        pagemap.seek(first * 8)
-        entries = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
+    (entries,) = page_entries([(pages.ctypes.data, pages.ctypes.data + pages.nbytes)])
     return int(np.count_nonzero(entries >> np.uint64(63)))
 
 

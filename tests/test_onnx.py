@@ -24,6 +24,7 @@ from onnx_host_values import host_values_read_on_the_device
 
 import staticrt
 from staticrt.artifacts.manifest import seal, sha256
+from staticrt.backends.mapped_pages import page_entries
 from staticrt.backends.onnx_session import has_cuda_device
 from staticrt.caches import CacheSpec
 from staticrt.errors import ArtifactError, GenerationError
@@ -611,10 +612,7 @@ def _written_pages(address: int, size: int) -> int:
     """Pages of [address, address + size) this process holds as its own (/proc/self/pagemap: present
     and exclusively mapped): a page only read maps the kernel's shared zero page and is not counted,
     and neither are neighbouring mappings the kernel merged with this one."""
-    first, count = address // mmap.PAGESIZE, -(-size // mmap.PAGESIZE)
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        pagemap.seek(first * 8)
-        entries = np.frombuffer(pagemap.read(count * 8), dtype=np.uint64)
+    (entries,) = page_entries([(address, address + size)])
     return int(np.count_nonzero((entries >> np.uint64(63)) & (entries >> np.uint64(56)) & np.uint64(1)))
 
 

@@ -17,8 +17,21 @@ import ctypes
 import mmap
 import sys
 from pathlib import Path
+from typing import Any
 
 PRESENT, SWAPPED, FILE_PAGE = 1 << 63, 1 << 62, 1 << 61  # /proc/self/pagemap bits
+
+
+def page_entries(spans: list[tuple[int, int]]) -> list[Any]:
+    """/proc/self/pagemap's entries (uint64, one a page) for each [start, end) of this process's memory."""
+    import numpy as np
+
+    found = []
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        for start, end in spans:
+            pagemap.seek(start // mmap.PAGESIZE * 8)
+            found.append(np.frombuffer(pagemap.read(-(-(end - start) // mmap.PAGESIZE) * 8), dtype=np.uint64))
+    return found
 
 
 def release_read_pages(data: Path) -> int:
@@ -38,17 +51,14 @@ def release_read_pages(data: Path) -> int:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[5].rstrip("\n") == target and fields[1].endswith("p"):
                     spans.append(tuple(int(bound, 16) for bound in fields[0].split("-")))
-        with open("/proc/self/pagemap", "rb") as pagemap:
-            for start, end in spans:
-                pagemap.seek(start // mmap.PAGESIZE * 8)
-                entries = np.frombuffer(pagemap.read((end - start) // mmap.PAGESIZE * 8), dtype=np.uint64)
-                # a page this process wrote is anonymous: present and not the file's, or swapped out
-                # (the file's own pages are never swapped, only dropped)
-                written = (entries & np.uint64(PRESENT) != 0) & (entries & np.uint64(FILE_PAGE) == 0)
-                if np.any(written | (entries & np.uint64(SWAPPED) != 0)):
-                    continue  # not the file's to give back
-                if libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
-                    released += end - start
+        for (start, end), entries in zip(spans, page_entries(spans), strict=True):
+            # a page this process wrote is anonymous: present and not the file's, or swapped out
+            # (the file's own pages are never swapped, only dropped)
+            written = (entries & np.uint64(PRESENT) != 0) & (entries & np.uint64(FILE_PAGE) == 0)
+            if np.any(written | (entries & np.uint64(SWAPPED) != 0)):
+                continue  # not the file's to give back
+            if libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+                released += end - start
     except OSError:  # no /proc to read: the pages stay, as they would without this
         pass
     return released
