@@ -1,14 +1,18 @@
-"""Pages of a file ONNX Runtime mapped and only read, handed back to the kernel once a session is
-made: the file is still mapped, and a later read faults its pages back in from the page cache.
+"""Pages of files this process mapped and only read, handed back to the kernel once an ONNX session
+is made: the files stay mapped, and a later read faults their pages back in from the page cache.
 
-ONNX Runtime maps each external tensor of a graph's data file (private, read and write) and keeps
-the mappings of the tensors its kernels did not pack. Making a session reads more of them than a
-step does: on SmolLM2's int4 artifact, its packed copy, 43 MiB (the token table the lookup reads a
-row of, the MatMulNBits scales its packed blobs hold too); 21 tokens read 3.6 MiB of them back.
-`madvise(MADV_DONTNEED)` on a private file mapping drops its pages; a page the process wrote is its
-own (anonymous) copy, which dropping would lose, so a mapping with any such page is left alone
-(/proc/self/pagemap: a present page of a file mapping that is not the file's, or a swapped one).
-Linux only; elsewhere nothing is done. Imports no torch.
+Two kinds of file pages outlive making a session without being needed by its steps. ONNX Runtime
+maps each external tensor of a graph's data file (private, read and write) and keeps the mappings of
+the tensors its kernels did not pack; making a session reads more of them than a step does (on
+SmolLM2's int4 artifact, its packed copy: 43 MiB, the token table the lookup reads a row of and the
+MatMulNBits scales its packed blobs hold too; 21 tokens read 3.6 MiB of them back). And importing
+onnxruntime and making the session run code once (kernel registration, graph loading and
+optimization, the files' hashes): of the 42 MiB of libraries' pages resident then, 16 tokens touch
+27 again. `madvise(MADV_DONTNEED)` on a private file mapping drops its pages for this process only (the
+page cache keeps them); a page the process wrote is its own (anonymous) copy, which dropping would
+lose, so a mapping with any such page is left alone (/proc/self/pagemap: a present page of a file
+mapping that is not the file's, or a swapped one). Linux only; elsewhere nothing is done. Imports no
+torch.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-from pathlib import Path
 from typing import Any
 
 PRESENT, SWAPPED, FILE_PAGE = 1 << 63, 1 << 62, 1 << 61  # /proc/self/pagemap bits
@@ -34,31 +37,32 @@ def page_entries(spans: list[tuple[int, int]]) -> list[Any]:
     return found
 
 
-def release_read_pages(data: Path) -> int:
-    """Drop the resident pages of this process's private mappings of `data` that hold only the
-    file's bytes; return how many bytes of mappings were released (0 where /proc cannot tell)."""
+def release_read_pages() -> dict[str, int]:
+    """Drop the resident pages of this process's private file mappings that hold only their files'
+    bytes; return the bytes of mappings released, by file ({} where /proc cannot tell)."""
     if sys.platform != "linux":
-        return 0
+        return {}
     import numpy as np
 
-    target, spans = str(Path(data).resolve()), []
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    released = 0
+    spans, files, released = [], [], {}
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
+                # e.g. "7f1c2a000000-7f1c2a400000 r-xp 00000000 08:01 1234  /usr/lib/libc.so.6"
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].rstrip("\n") == target and fields[1].endswith("p"):
+                if len(fields) == 6 and fields[1].endswith("p") and fields[5].startswith("/"):
                     spans.append(tuple(int(bound, 16) for bound in fields[0].split("-")))
-        for (start, end), entries in zip(spans, page_entries(spans), strict=True):
+                    files.append(fields[5].rstrip("\n"))
+        for (start, end), file, entries in zip(spans, files, page_entries(spans), strict=True):
             # a page this process wrote is anonymous: present and not the file's, or swapped out
             # (the file's own pages are never swapped, only dropped)
             written = (entries & np.uint64(PRESENT) != 0) & (entries & np.uint64(FILE_PAGE) == 0)
             if np.any(written | (entries & np.uint64(SWAPPED) != 0)):
                 continue  # not the file's to give back
             if libc.madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
-                released += end - start
+                released[file] = released.get(file, 0) + end - start
     except OSError:  # no /proc to read: the pages stay, as they would without this
         pass
     return released

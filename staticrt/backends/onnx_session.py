@@ -97,8 +97,8 @@ def _session(
                 f"{graph}: onnxruntime {ort.__version__} cannot load this graph (opset {section['opset']}, IR version "
                 f"{section['ir_version']}, {manifest['dtype']}): {reason}; {way_out}"
             ) from None
-        if device == "cpu":  # what making it read of the weights it did not pack (mapped_pages.py)
-            release_read_pages(Path(f"{graph}.data"))
+        if device == "cpu":  # what making it read and its steps do not (mapped_pages.py)
+            release_read_pages()
         return made
 
     if device == "cpu":
