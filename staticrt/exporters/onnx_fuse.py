@@ -177,9 +177,8 @@ def fuse_graph(path: Path) -> dict[str, int]:
     model = onnx.load(str(path), load_external_data=False)
     nodes = list(model.graph.node)  # one list: nodes are told apart by id() below
     g = GraphIndex(nodes, model.graph.initializer)
-    replaced: dict[int, Any] = {}  # id(last node of a pattern) -> its fused node
+    replaced: dict[int, list[Any]] = {}  # id(last node of a pattern) -> [its fused node]
     dropped: set[int] = set()
-    after: dict[int, str] = {}  # id(the node making f) -> f: its half tables go in right after it
     counts: Counter[str] = Counter()
     matchers = {"Pow": _rms_norm, "Neg": _rotary}
     for node in nodes:
@@ -187,24 +186,33 @@ def fuse_graph(path: Path) -> dict[str, int]:
         if match is None or any(id(n) in dropped for n in match[0]):
             continue
         pattern, fused, f = match
-        if f is not None:
-            after[id(g.producer[f])] = f
+        if f is not None:  # the half tables, once a step, right after the node making their angles
+            angles = g.producer[f]
+            replaced[id(angles)] = [
+                angles,
+                helper.make_node("Cos", [f], [f"{f}.cos"]),
+                helper.make_node("Sin", [f], [f"{f}.sin"]),
+            ]
         dropped.update(id(n) for n in pattern)
-        replaced[id(pattern[-1])] = fused
+        replaced[id(pattern[-1])] = [fused]
         counts[fused.op_type] += 1
-    rewritten = []
-    for node in nodes:
-        if id(node) in replaced:
-            rewritten.append(replaced[id(node)])
-        elif id(node) not in dropped:
-            rewritten.append(node)
-        if id(node) in after:  # the half tables, once a step, right after their angles
-            f = after[id(node)]
-            rewritten += [helper.make_node("Cos", [f], [f"{f}.cos"]), helper.make_node("Sin", [f], [f"{f}.sin"])]
+    rewritten = spliced(nodes, replaced, dropped)
     del model.graph.node[:]
     model.graph.node.extend(_without_dead_nodes(rewritten, {out.name for out in model.graph.output}))
     onnx.save(model, str(path))
     return {op: counts[op] for op in FUSED_OPS}
+
+
+def spliced(nodes: list[Any], replaced: dict[int, list[Any]], dropped: set[int]) -> list[Any]:
+    """`nodes` in their order, each one `replaced` names (by id) as its list of nodes, and each other
+    one in `dropped` left out: a rewrite keeps the graph's order, which ONNX requires topological."""
+    kept = []
+    for node in nodes:
+        if id(node) in replaced:
+            kept += replaced[id(node)]
+        elif id(node) not in dropped:
+            kept.append(node)
+    return kept
 
 
 def _without_dead_nodes(nodes: list[Any], outputs: set[str]) -> list[Any]:

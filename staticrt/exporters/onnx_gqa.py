@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .onnx_fuse import GraphIndex, attribute
+from .onnx_fuse import GraphIndex, attribute, spliced
 
 OP = "GroupQueryAttention"
 
@@ -71,12 +71,7 @@ def group_query_attention(path: Path, batch_size: int) -> int:
     for layer in layers:
         dropped.update(id(n) for n in layer["pattern"])
         replaced[id(layer["attention"])] = _rewritten(layer)
-    nodes = []
-    for node in graph.node:
-        if id(node) in replaced:
-            nodes += replaced[id(node)]
-        elif id(node) not in dropped:
-            nodes.append(node)
+    nodes = spliced(list(graph.node), replaced, dropped)
     first = next(i for i, node in enumerate(nodes) if node.op_type == OP) - 1  # before the first layer's Reshape
     nodes[first:first] = shared["nodes"]
     graph.initializer.extend(numpy_helper.from_array(array, name) for name, array in shared["constants"].items())
