@@ -194,8 +194,28 @@ def test_graph_is_standard_onnx_with_one_tensor_scatter_per_cache_tensor(onnx_ar
     assert (folder / "onnx" / "model.onnx.data").stat().st_size > 100_000  # weights live in external data
 
 
+def _gqa_pair(hf_checkpoints: dict, family: str, tmp_path: Path) -> tuple[Path, Path]:
+    """`family`'s one-row static export (128 positions, bucket 64) and a copy of it whose every
+    layer's attention is one GroupQueryAttention (exporters/onnx_gqa.py), its manifest sealed again."""
+    model = staticrt.load_model(hf_checkpoints[family][0])
+    folder = export_artifact(model, CacheSpec("static", 1, 128), [64], tmp_path / family, ["onnx"])
+    copy = _copy(folder, tmp_path, f"{family}-gqa")
+    graph = copy / "onnx" / "model.onnx"
+    assert group_query_attention(graph, 1) == model.config.num_layers
+    ops = {node.op_type for node in onnx.load(str(graph), load_external_data=False).graph.node}
+    assert OP in ops and not ops & {"Attention", "TensorScatter", "RotaryEmbedding"}
+    _graph_rewritten(copy)
+    return folder, copy
+
+
+@pytest.fixture(scope="module")
+def llama_gqa(hf_checkpoints, tmp_path_factory) -> tuple[Path, Path]:
+    """tiny llama's pair (`_gqa_pair`), for the GroupQueryAttention test and the cache residency test."""
+    return _gqa_pair(hf_checkpoints, "llama", tmp_path_factory.mktemp("gqa"))
+
+
 def test_static_layers_as_group_query_attention_give_the_graphs_tokens_cache_and_continuations(
-    onnx_artifacts, hf_checkpoints, tmp_path
+    onnx_artifacts, hf_checkpoints, llama_gqa, tmp_path
 ):
     """exporters/onnx_gqa.py (applied to quantized one-row exports) checked on float graphs, where
     nothing rounds the two apart: each static layer's ~15 attention nodes become one
@@ -204,14 +224,7 @@ def test_static_layers_as_group_query_attention_give_the_graphs_tokens_cache_and
     Graphs of several rows, rotating layers (sliding, hybrid's local ones) and softcapped ones
     keep their attention."""
     for family in ("llama", "qwen2"):
-        model = staticrt.load_model(hf_checkpoints[family][0])
-        folder = export_artifact(model, CacheSpec("static", 1, 128), [64], tmp_path / family, ["onnx"])
-        copy = _copy(folder, tmp_path, f"{family}-gqa")
-        graph = copy / "onnx" / "model.onnx"
-        assert group_query_attention(graph, 1) == model.config.num_layers
-        ops = {node.op_type for node in onnx.load(str(graph), load_external_data=False).graph.node}
-        assert OP in ops and not ops & {"Attention", "TensorScatter", "RotaryEmbedding"}
-        _graph_rewritten(copy)
+        folder, copy = llama_gqa if family == "llama" else _gqa_pair(hf_checkpoints, family, tmp_path)
         before, after = (load_artifact(f, backend="onnx") for f in (folder, copy))
         prompt = prompts()[0]
         tokens = before.generate([prompt], max_new_tokens=NEW_TOKENS)
@@ -617,18 +630,12 @@ def _written_pages(address: int, size: int) -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the pages' residency is read from Linux's /proc/self/pagemap")
-def test_the_cache_is_resident_only_where_steps_wrote_and_a_reset_zeroes_it_and_gives_its_pages_back(
-    hf_checkpoints, tmp_path
-):
+def test_the_cache_is_resident_only_where_steps_wrote_and_a_reset_zeroes_it_and_gives_its_pages_back(llama_gqa):
     """The CPU cache's buffers are pages of one anonymous mapping (backends/zeroed_pages.py): on a
     one-row graph whose layers are GroupQueryAttention (what a quantized export runs), 9 positions
     of 128 make part of it resident, not the whole context; a reset reads as zeros again and holds
     no page; the next generation gives the same tokens."""
-    model = staticrt.load_model(hf_checkpoints["llama"][0])
-    folder = export_artifact(model, CacheSpec("static", 1, 128), [64], tmp_path / "llama", ["onnx"])
-    assert group_query_attention(folder / "onnx" / "model.onnx", 1) == model.config.num_layers
-    _graph_rewritten(folder)
-    gen = load_artifact(folder, backend="onnx")
+    gen = load_artifact(llama_gqa[1], backend="onnx")
     host = gen.backend.host
     size, address = len(host.memory), host.arrays[0].ctypes.data  # each layer's K and V: [1, H_kv, 128, D]
     assert _written_pages(address, size) == 0
