@@ -40,3 +40,18 @@ def test_pages_only_read_are_given_back_and_read_again_and_a_written_mapping_kee
     # numpy's own code was among the pages given back, and runs again from the page cache
     assert any(Path(file).name.startswith("_multiarray_umath") for file in released)
     assert int(np.arange(1000).sum()) == 499500
+
+
+def test_a_mapping_of_anything_but_a_regular_file_on_disk_keeps_its_pages(tmp_path):
+    """A device's pages may not fault back once dropped, so only regular files' mappings are given
+    back; no device a test can map privately fails that way, so a file deleted while mapped (no
+    longer a path on disk) stands in for one."""
+    gone = tmp_path / "gone.data"
+    gone.write_bytes(bytes(range(256)) * (16 * mmap.PAGESIZE // 256))  # 16 pages
+    with open(gone, "rb") as file:
+        pages = np.frombuffer(mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ), np.uint8)
+    total = int(pages.astype(np.int64).sum())
+    gone.unlink()
+    released = release_read_pages()
+    assert not any(file.startswith(str(gone)) for file in released) and _present(pages) == 16
+    assert int(pages.astype(np.int64).sum()) == total

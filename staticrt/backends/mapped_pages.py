@@ -11,14 +11,18 @@ optimization, the files' hashes): of the 42 MiB of libraries' pages resident the
 27 again. `madvise(MADV_DONTNEED)` on a private file mapping drops its pages for this process only (the
 page cache keeps them); a page the process wrote is its own (anonymous) copy, which dropping would
 lose, so a mapping with any such page is left alone (/proc/self/pagemap: a present page of a file
-mapping that is not the file's, or a swapped one). Linux only; elsewhere nothing is done. Imports no
-torch.
+mapping that is not the file's, or a swapped one), and so is a mapping of anything but a regular
+file (a device's pages may not fault back). It is the whole process's: with torch imported, 404 MiB
+of mappings in 10-19 ms, and the code later steps run faults back in (a small torch computation
+after it: 300-700 minor faults). Linux only; elsewhere nothing is done. Imports no torch.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import stat
 import sys
 from typing import Any
 
@@ -46,13 +50,13 @@ def release_read_pages() -> dict[str, int]:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    spans, files, released = [], [], {}
+    spans, files, released, kinds = [], [], {}, {}
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 # e.g. "7f1c2a000000-7f1c2a400000 r-xp 00000000 08:01 1234  /usr/lib/libc.so.6"
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[1].endswith("p") and fields[5].startswith("/"):
+                if len(fields) == 6 and fields[1].endswith("p") and _regular(fields[5].rstrip("\n"), kinds):
                     spans.append(tuple(int(bound, 16) for bound in fields[0].split("-")))
                     files.append(fields[5].rstrip("\n"))
         for (start, end), file, entries in zip(spans, files, page_entries(spans), strict=True):
@@ -66,3 +70,13 @@ def release_read_pages() -> dict[str, int]:
     except OSError:  # no /proc to read: the pages stay, as they would without this
         pass
     return released
+
+
+def _regular(path: str, kinds: dict[str, bool]) -> bool:
+    """Whether `path` (a mapping's, from /proc/self/maps) names a regular file, asked once a path."""
+    if path not in kinds:
+        try:
+            kinds[path] = path.startswith("/") and stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:  # gone (" (deleted)"), or not a path at all
+            kinds[path] = False
+    return kinds[path]
