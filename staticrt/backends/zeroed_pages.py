@@ -20,7 +20,7 @@ PAGE = mmap.PAGESIZE
 
 
 class ZeroedPages:
-    """Arrays of the given shapes and dtypes, each starting on a page of one shared mapping."""
+    """Arrays of the given shapes and dtypes, each starting on a page of one private anonymous mapping."""
 
     def __init__(self, specs: list[tuple[list[int], str]]) -> None:
         starts, end = [], 0
